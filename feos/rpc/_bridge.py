@@ -1,0 +1,182 @@
+"""The bridge between trio, where feosd runs, and pycapnp, which runs only on asyncio.
+
+Theory of operation: pycapnp's RPC needs asyncio with its KJ loop (`capnp.run`). feosd runs one
+OS thread for it, the Cap'n Proto thread, for its whole life. Two directions cross it:
+
+- trio -> asyncio: `CapnpThread.call(fn, *args)` runs the coroutine `fn(*args)` on the Cap'n Proto
+  thread and waits for it in trio. Cancelling the trio wait cancels the asyncio task.
+- asyncio -> trio: `CapnpThread.to_trio(fn, *args)`, awaited on the Cap'n Proto thread (by an RPC
+  handler), runs the trio function `fn(*args)` as a task of the bridge's nursery and resolves when
+  it ends. A handler cancelled on the asyncio side (its connection dropped) cancels the trio task;
+  a trio task cut by feosd's stop answers UNAVAILABLE "feosd stops".
+
+Only plain Python values cross: Cap'n Proto readers and builders stay on their thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import capnp
+import trio
+
+from ..errors import Code, FeosError
+
+T = TypeVar("T")
+
+STOPPING = "feosd stops"
+
+
+class CapnpThread:
+    """pycapnp's asyncio loop on a thread of its own; made by `capnp_thread()`."""
+
+    def __init__(self, token: trio.lowlevel.TrioToken, nursery: trio.Nursery) -> None:
+        self._token = token
+        self._nursery = nursery
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None, "the Cap'n Proto thread is not running"
+        return self._loop
+
+    async def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
+        """Run the asyncio coroutine fn(*args) on the Cap'n Proto thread; wait for it in trio."""
+        if self._closed:
+            raise FeosError(Code.UNAVAILABLE, STOPPING)
+        future = asyncio.run_coroutine_threadsafe(fn(*args), self.loop)
+        done = trio.Event()
+        future.add_done_callback(lambda _f: self._wake(done))
+        try:
+            await done.wait()
+        finally:
+            if not future.done():
+                future.cancel()
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            raise FeosError(Code.UNAVAILABLE, STOPPING) from None
+
+    async def to_trio(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """On the Cap'n Proto thread: run the trio function fn(*args) and wait for its end."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        scope = trio.CancelScope()
+        try:
+            self._token.run_sync_soon(self._nursery.start_soon, self._run, scope, fn, args, future)
+        except trio.RunFinishedError:
+            raise FeosError(Code.UNAVAILABLE, STOPPING) from None
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._cancel_soon(scope)
+            raise
+
+    async def _run(
+        self,
+        scope: trio.CancelScope,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        future: asyncio.Future[T],
+    ) -> None:
+        outcome: tuple[bool, Any] = (False, FeosError(Code.UNAVAILABLE, STOPPING))
+        try:
+            with scope:
+                try:
+                    outcome = (True, await fn(*args))
+                except Exception as exc:  # delivered to the RPC handler, which answers it
+                    outcome = (False, exc)
+        finally:
+            self._settle(future, outcome)
+
+    def _settle(self, future: asyncio.Future[T], outcome: tuple[bool, Any]) -> None:
+        def settle() -> None:
+            if future.done():
+                return
+            ok, value = outcome
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+        try:
+            self.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop has closed: nobody waits any more
+            pass
+
+    def _wake(self, event: trio.Event) -> None:
+        try:
+            self._token.run_sync_soon(event.set)
+        except trio.RunFinishedError:
+            pass
+
+    def _cancel_soon(self, scope: trio.CancelScope) -> None:
+        try:
+            self._token.run_sync_soon(scope.cancel)
+        except trio.RunFinishedError:
+            pass
+
+    # -- the thread ------------------------------------------------------------------------
+
+    def _main(self, started: trio.Event) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            self._wake(started)
+            await self._stop.wait()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run(capnp.run(main()))
+
+    async def _start(self) -> None:
+        started = trio.Event()
+        self._thread = threading.Thread(
+            target=self._main, args=(started,), name="capnp", daemon=True
+        )
+        self._thread.start()
+        await started.wait()
+
+    async def _close(self) -> None:
+        self._closed = True
+        if self._loop is not None and self._stop is not None:
+            stop = self._stop
+            try:
+                self._loop.call_soon_threadsafe(stop.set)
+            except RuntimeError:
+                pass
+        if self._thread is not None:
+            await trio.to_thread.run_sync(self._thread.join)
+
+
+@asynccontextmanager
+async def capnp_thread() -> AsyncIterator[CapnpThread]:
+    """Run the Cap'n Proto thread for the body's duration; its handlers' trio tasks live here.
+
+    On exit the trio tasks still running are cancelled and their callers hear "feosd stops";
+    only then does the asyncio loop end its own tasks and the thread is joined.
+    """
+    threads: list[CapnpThread] = []
+    try:
+        async with trio.open_nursery() as tasks:
+            threads.append(CapnpThread(trio.lowlevel.current_trio_token(), tasks))
+            await threads[0]._start()
+            try:
+                yield threads[0]
+            finally:
+                tasks.cancel_scope.cancel()
+    finally:
+        # Every trio task has ended and posted its answer before the loop is told to stop.
+        with trio.CancelScope(shield=True), trio.move_on_after(10):
+            for thread in threads:
+                await thread._close()

@@ -1,0 +1,117 @@
+"""The trio/asyncio bridge: both directions, errors, cancellation, and a stop with calls in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import trio
+
+from feos.errors import Code, FeosError
+from feos.rpc._bridge import CapnpThread, capnp_thread
+
+
+async def test_call_runs_on_the_capnp_thread() -> None:
+    async with capnp_thread() as bridge:
+
+        async def where() -> str:
+            await asyncio.sleep(0)
+            return threading.current_thread().name
+
+        assert await bridge.call(where) == "capnp"
+
+
+async def test_call_raises_what_the_coroutine_raised() -> None:
+    async with capnp_thread() as bridge:
+
+        async def fail() -> None:
+            raise FeosError(Code.NOT_FOUND, "no such thing")
+
+        with pytest.raises(FeosError) as caught:
+            await bridge.call(fail)
+        assert caught.value.code is Code.NOT_FOUND
+
+
+async def test_cancelling_the_trio_wait_cancels_the_asyncio_task() -> None:
+    async with capnp_thread() as bridge:
+        cancelled = threading.Event()
+
+        async def forever() -> None:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        with trio.move_on_after(0.2):
+            await bridge.call(forever)
+        await trio.to_thread.run_sync(cancelled.wait, 5)
+        assert cancelled.is_set()
+
+
+async def test_to_trio_round_trip_and_errors() -> None:
+    async with capnp_thread() as bridge:
+
+        async def double(x: int) -> int:
+            await trio.sleep(0)
+            return 2 * x
+
+        async def bad() -> None:
+            raise FeosError(Code.INVALID_ARGUMENT, "x: must be even")
+
+        async def on_asyncio() -> tuple[int, str]:
+            value = await bridge.to_trio(double, 21)
+            try:
+                await bridge.to_trio(bad)
+            except FeosError as exc:
+                return value, str(exc)
+            return value, ""
+
+        assert await bridge.call(on_asyncio) == (42, "INVALID_ARGUMENT: x: must be even")
+
+
+async def test_asyncio_side_cancel_cancels_the_trio_task() -> None:
+    async with capnp_thread() as bridge:
+        ended = trio.Event()
+
+        async def slow() -> None:
+            try:
+                await trio.sleep_forever()
+            finally:
+                ended.set()
+
+        async def on_asyncio() -> None:
+            task = asyncio.ensure_future(bridge.to_trio(slow))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        await bridge.call(on_asyncio)
+        with trio.fail_after(5):
+            await ended.wait()
+
+
+async def test_stop_with_calls_in_flight_answers_them() -> None:
+    answers: list[str] = []
+    held: list[CapnpThread] = []
+
+    async def sleeper() -> None:
+        await trio.sleep_forever()
+
+    async with capnp_thread() as bridge:
+        held.append(bridge)
+
+        async def on_asyncio() -> None:
+            try:
+                await bridge.to_trio(sleeper)
+            except FeosError as exc:
+                answers.append(str(exc))
+
+        future = asyncio.run_coroutine_threadsafe(on_asyncio(), bridge.loop)
+        await trio.sleep(0.1)
+    # The bridge has stopped: the handler heard why, and later calls are refused.
+    await trio.to_thread.run_sync(lambda: future.exception(5))
+    assert answers == ["UNAVAILABLE: feosd stops"]
+    with pytest.raises(FeosError, match="feosd stops"):
+        await held[0].call(asyncio.sleep, 0)
