@@ -1,0 +1,33 @@
+@0xe467cef9f5c71d22;
+# The node itself (docs/api.md, "HostService").
+
+using Common = import "common.capnp";
+
+struct VersionInfo {
+  feosd @0 :Text;
+  python @1 :Text;
+  guests @2 :List(Text);         # installed guest versions, newest first
+  firecrackers @3 :List(Text);   # installed Firecracker versions, newest first
+  driver @4 :Text;               # qemu or firecracker: what boots pods on this node
+  accel @5 :Text;                # kvm or tcg, and why
+  network @6 :Text;              # the pods' network: "up" or why it is not
+}
+
+struct HostInfo {
+  hostname @0 :Text;
+  kernel @1 :Text;
+  bootId @2 :Text;
+  pid @3 :UInt32;
+  startedUnixNs @4 :Int64;
+  version @5 :VersionInfo;
+  selfUpgrade @6 :Bool;
+}
+
+interface HostService {
+  getHostInfo @0 () -> (status :Common.Status, info :HostInfo);
+  reboot @1 () -> (status :Common.Status);
+  shutdown @2 () -> (status :Common.Status);
+  upgradeFeosBinary @3 (binary :Data, sha256 :Text) -> (status :Common.Status);
+  # verifies the sha256 (hex) of binary, replaces feosd's program and executes it with the same
+  # pid, keeping the lock and the listening sockets; only with --self-upgrade
+}
