@@ -113,7 +113,8 @@ def v2_parent() -> Iterator[Path]:
 def test_v2_leaf_move_and_vm_cgroup(v2_parent: Path, sleeper: subprocess.Popen[bytes]) -> None:
     # The sleeper stands for feosd: it sits in its cgroup, which is not the real root.
     (v2_parent / "cgroup.procs").write_text(str(sleeper.pid))
-    assert not cg.is_real_root(v2_parent) and cg.is_real_root(UNIFIED)
+    assert not cg.is_real_root(v2_parent)
+    assert cg.is_real_root(UNIFIED)
     # cpu and memory are missing from this host's cgroup2: the rest of the layout runs
     layout = cg.v2_layout_for(v2_parent, controllers=())
     assert layout.leaf == v2_parent / "feosd"
