@@ -1,0 +1,179 @@
+"""The pure part of the guest image build: what goes in, what the version is, in which order.
+
+No I/O here (but for reading the files whose hashes make the version, which the caller lists):
+the builder (build.py) runs the programs, this module decides. It uses the standard library only,
+so that the build runs under any python3 of the build machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Mapping
+
+SUITE = "bookworm"
+
+# Debian minbase plus what the agent runs: crun for the containers, e2fsprogs to format volumes,
+# iproute2 for the network it is pushed, util-linux (mount, fstrim), busybox-static for a shell
+# when debugging; libstdc++6 is what the pycapnp wheel links against.
+ROOT_PACKAGES = (
+    "python3",
+    "crun",
+    "e2fsprogs",
+    "iproute2",
+    "util-linux",
+    "busybox-static",
+    "libstdc++6",
+)
+
+KERNEL_META = "linux-image-amd64"
+
+PYCAPNP = "pycapnp==2.2.4"
+
+# The modules the initramfs loads, in this order of wants; their dependencies come first
+# (modprobe --show-depends). crc32c-intel fails without SSE4.2 and crc32c_generic stands in.
+INITRAMFS_MODULES = (
+    "virtio_mmio",
+    "virtio_blk",
+    "virtio_console",
+    "virtio_rng",
+    "virtio_net",
+    "virtio_balloon",
+    "vmw_vsock_virtio_transport",
+    "erofs",
+    "ext4",
+)
+
+# Module directories the root image leaves out: hardware a microVM never has.
+ROOT_MODULES_SKIP = (
+    "kernel/sound",
+    "kernel/drivers/gpu",
+    "kernel/drivers/media",
+    "kernel/drivers/net/wireless",
+    "kernel/drivers/net/ethernet",
+    "kernel/drivers/infiniband",
+    "kernel/drivers/staging",
+    "kernel/drivers/scsi",
+    "kernel/drivers/usb",
+    "kernel/drivers/bluetooth",
+    "kernel/drivers/hid",
+    "kernel/drivers/input",
+    "kernel/drivers/iio",
+    "kernel/drivers/isdn",
+    "kernel/drivers/mtd",
+    "kernel/drivers/video",
+    "kernel/drivers/ata",
+    "kernel/drivers/nfc",
+    "kernel/drivers/thunderbolt",
+    "kernel/drivers/platform",
+    "kernel/drivers/hwmon",
+    "kernel/drivers/edac",
+    "kernel/drivers/misc",
+    "kernel/drivers/mmc",
+    "kernel/drivers/pinctrl",
+    "kernel/drivers/gpio",
+    "kernel/drivers/i2c",
+    "kernel/drivers/spi",
+    "kernel/drivers/leds",
+    "kernel/drivers/firewire",
+    "kernel/drivers/target",
+    "kernel/net/wireless",
+    "kernel/net/mac80211",
+    "kernel/net/bluetooth",
+)
+
+# Trimmed from the root: nothing in the guest reads them, and they cost image size and build time.
+ROOT_TRIM = (
+    "usr/share/doc",
+    "usr/share/man",
+    "usr/share/info",
+    "usr/share/locale",
+    "usr/share/lintian",
+    "var/cache/apt",
+    "var/lib/apt/lists",
+    "var/log",
+)
+
+
+def mirror_from_sources(text: str, suite: str = SUITE) -> str | None:
+    """The URI of the first deb822 stanza (debian.sources) that serves `suite`."""
+    for stanza in re.split(r"\n\s*\n", text):
+        fields: dict[str, str] = {}
+        for line in stanza.splitlines():
+            if line.startswith("#") or ":" not in line or line[:1].isspace():
+                continue
+            key, _, value = line.partition(":")
+            fields[key.strip().lower()] = value.strip()
+        if "deb" not in fields.get("types", "").split():
+            continue
+        if suite in fields.get("suites", "").split() and fields.get("uris"):
+            return fields["uris"].split()[0]
+    return None
+
+
+def mirror_from_list(text: str, suite: str = SUITE) -> str | None:
+    """The URI of the first one-line `deb` entry (sources.list) that serves `suite`."""
+    for line in text.splitlines():
+        words = line.split("#", 1)[0].split()
+        if len(words) >= 3 and words[0] == "deb":
+            rest = words[1:]
+            if rest[0].startswith("["):  # options: [arch=amd64 signed-by=...]
+                while rest and not rest[0].endswith("]"):
+                    rest = rest[1:]
+                rest = rest[1:]
+            if len(rest) >= 2 and rest[1] == suite:
+                return rest[0]
+    return None
+
+
+def candidate_version(policy: str) -> str | None:
+    """The Candidate of `apt-cache policy PKG`, or None when there is none."""
+    m = re.search(r"^\s*Candidate:\s*(\S+)", policy, re.MULTILINE)
+    if m is None or m.group(1) == "(none)":
+        return None
+    return m.group(1)
+
+
+def kernel_package(depends: str) -> str:
+    """The linux-image-<abi>-amd64 that `apt-cache depends linux-image-amd64` names."""
+    m = re.search(r"Depends:\s*(linux-image-\d[\w.+-]*-amd64)\b", depends)
+    if m is None:
+        raise ValueError(f"no kernel package in: {depends!r}")
+    return m.group(1)
+
+
+def module_load_order(show_depends: Iterable[str]) -> list[str]:
+    """Module paths in load order, each once, from `modprobe --show-depends` outputs in order.
+
+    Lines are `insmod /path/to/mod.ko [params]`; `builtin name` lines need nothing loaded.
+    """
+    seen: dict[str, None] = {}
+    for text in show_depends:
+        for line in text.splitlines():
+            words = line.split()
+            if len(words) >= 2 and words[0] == "insmod":
+                seen.setdefault(words[1], None)
+    return list(seen)
+
+
+def input_version(inputs: Mapping[str, object]) -> str:
+    """The version: 12 hex digits of a sha256 over the build's inputs, in a canonical JSON."""
+    blob = json.dumps(inputs, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def tree_key(*parts: object) -> str:
+    """A cache key for an intermediate product (the debootstrap tree) from what made it."""
+    blob = json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def newest_version(manifests: Mapping[str, Mapping[str, object]]) -> str | None:
+    """The newest installed version: the greatest by (manifest "built", version)."""
+    best: tuple[str, str] | None = None
+    for version, manifest in manifests.items():
+        key = (str(manifest.get("built", "")), version)
+        if best is None or key > best:
+            best = key
+    return None if best is None else best[1]

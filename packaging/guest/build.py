@@ -1,0 +1,325 @@
+"""Build the guest image from Debian's packages and install it as one guest version.
+
+Run by hack/guest-image (as root). Theory of operation:
+  1. Gather the inputs (the Debian versions apt would take, the pycapnp pin, the hashes of the
+     build's scripts and of the agent's sources); their hash is the version. An installed version
+     with that hash is reused at once.
+  2. Download the kernel and busybox-static .debs and the pycapnp wheel into the work dir's caches
+     (kept by file name, which carries the version), debootstrap the root once per package set.
+  3. Stage a copy of the root: trim it, add kernel modules, the agent and its wheels, compile the
+     bytecode inside the chroot; pack it as erofs. Make the initramfs, the vmlinux, the data volume.
+  4. Install the staged files as <prefix>/usr/lib/feos/guest/<version>/ by one rename.
+Everything but the Debian and PyPI registries is offline. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _plan
+
+HERE = Path(__file__).resolve().parent
+FILES = ("vmlinuz", "vmlinux", "initramfs", "root.erofs", "data.img.zst")
+DATA_SIZE = "8G"
+
+
+def log(msg: str) -> None:
+    print(f"guest-image: {msg}", file=sys.stderr, flush=True)
+
+
+def run(*argv: str | Path, cwd: Path | None = None, capture: bool = False) -> str:
+    """Run a program; its output goes to stderr (stdout carries the result alone) or back."""
+    cmd = [str(a) for a in argv]
+    out = subprocess.run(
+        cmd, cwd=cwd, check=True, text=True,
+        stdout=subprocess.PIPE if capture else sys.stderr,
+        env={**os.environ, "LC_ALL": "C", "DEBIAN_FRONTEND": "noninteractive"},
+    ).stdout
+    return out or ""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def mirror() -> str:
+    """The Debian mirror apt is configured with (debootstrap fetches from it)."""
+    sources = Path("/etc/apt/sources.list.d/debian.sources")
+    if sources.exists() and (uri := _plan.mirror_from_sources(sources.read_text())):
+        return uri
+    for path in [Path("/etc/apt/sources.list"), *Path("/etc/apt/sources.list.d").glob("*.list")]:
+        if path.exists() and (uri := _plan.mirror_from_list(path.read_text())):
+            return uri
+    raise SystemExit(f"guest-image: no apt source serves {_plan.SUITE}")
+
+
+def apt_version(pkg: str) -> str:
+    version = _plan.candidate_version(run("apt-cache", "policy", pkg, capture=True))
+    if version is None:
+        raise SystemExit(f"guest-image: apt has no candidate for {pkg} (apt-get update?)")
+    return version
+
+
+def agent_sources(repo: Path) -> list[tuple[str, Path]]:
+    """(path in /usr/lib/feos-guest, source) for what the root ships of the repo."""
+    out = [(name, repo / name) for name in ("feos/__init__.py", "feos/errors.py")]
+    for src in sorted((repo / "feos/guest").rglob("*")):
+        if src.is_file() and "__pycache__" not in src.parts and src.suffix != ".pyc":
+            out.append((str(src.relative_to(repo)), src))
+    out += [(f"schema/{p.name}", p) for p in sorted((repo / "schema").glob("*.capnp"))]
+    return out
+
+
+def gather_inputs(repo: Path) -> dict[str, object]:
+    kernel = _plan.kernel_package(run("apt-cache", "depends", _plan.KERNEL_META, capture=True))
+    scripts = [repo / "hack/guest-image", *sorted(p for p in HERE.iterdir() if p.is_file())]
+    return {
+        "suite": _plan.SUITE,
+        "kernel": [kernel, apt_version(kernel)],
+        "packages": {p: apt_version(p) for p in _plan.ROOT_PACKAGES},
+        "pycapnp": _plan.PYCAPNP,
+        "scripts": {p.name: sha256_file(p) for p in scripts if p.suffix != ".md"},
+        "agent": {dst: sha256_file(src) for dst, src in agent_sources(repo)},
+    }
+
+
+def download_deb(cache: Path, pkg: str, version: str) -> Path:
+    cache.mkdir(parents=True, exist_ok=True)
+    pattern = f"{pkg}_{version.replace(':', '%3a')}_*.deb"
+    if not (found := sorted(cache.glob(pattern))):
+        run("apt-get", "download", "-q", f"{pkg}={version}", cwd=cache)
+        found = sorted(cache.glob(pattern))
+    if not found:
+        raise SystemExit(f"guest-image: apt-get download {pkg}={version} left no {pattern}")
+    return found[0]
+
+
+def extract_once(deb: Path, dest: Path) -> Path:
+    """dpkg-deb -x into dest once (a .done marker), so a rebuild does not unpack 400 MB again."""
+    if not (dest / ".done").exists():
+        shutil.rmtree(dest, ignore_errors=True)
+        run("dpkg-deb", "-x", deb, dest)
+        (dest / ".done").touch()
+    return dest
+
+
+def extract_vmlinux(bzimage: bytes) -> bytes:
+    """The ELF vmlinux of a bzImage: its XZ payload, decompressed (PVH boots it directly)."""
+    start = 0
+    while (at := bzimage.find(b"\xfd7zXZ\x00", start)) >= 0:
+        try:
+            out = lzma.LZMADecompressor(format=lzma.FORMAT_XZ).decompress(bzimage[at:])
+        except lzma.LZMAError:
+            out = b""
+        if out.startswith(b"\x7fELF"):
+            return out
+        start = at + 1
+    raise SystemExit("guest-image: no XZ-compressed ELF in the kernel image")
+
+
+def debootstrap(work: Path, mirror_uri: str, packages: dict[str, str]) -> Path:
+    """The debootstrap tree for this package set, made once and kept (about 30 s)."""
+    key = _plan.tree_key(_plan.SUITE, sorted(packages.items()))
+    tree = work / f"rootfs-{key}"
+    if (tree / ".done").exists():
+        return tree
+    tmp = work / f"rootfs-{key}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    log(f"debootstrap {_plan.SUITE} from {mirror_uri}")
+    run("debootstrap", "--variant=minbase", f"--include={','.join(packages)}",
+        _plan.SUITE, tmp, mirror_uri)
+    (tmp / ".done").touch()
+    tmp.rename(tree)
+    return tree
+
+
+def pycapnp_wheel(work: Path) -> Path:
+    cache = work / "wheels"
+    name = _plan.PYCAPNP.replace("==", "-")
+    if not (found := sorted(cache.glob(f"{name}-cp311-*.whl"))):
+        run(sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+            "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
+            "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+            "--platform", "manylinux2014_x86_64", "-d", cache, _plan.PYCAPNP)
+        found = sorted(cache.glob(f"{name}-cp311-*.whl"))
+    if not found:
+        raise SystemExit(f"guest-image: pip download left no {name} cp311 wheel in {cache}")
+    return found[0]
+
+
+def module_order(kroot: Path, kver: str) -> list[str]:
+    """The initramfs modules with their dependencies, in load order, as paths under kroot."""
+    outs = [run("modprobe", "-d", kroot, "-S", kver, "--show-depends", m, capture=True)
+            for m in _plan.INITRAMFS_MODULES]
+    return [str(Path(p).relative_to(kroot)) for p in _plan.module_load_order(outs)]
+
+
+def stage_root(tree: Path, kroot: Path, kver: str, repo: Path, wheel: Path, root: Path) -> None:
+    """A copy of the debootstrap tree made into the guest's root."""
+    shutil.rmtree(root, ignore_errors=True)
+    run("cp", "-a", "--reflink=auto", tree, root)
+    (root / ".done").unlink()
+    for rel in _plan.ROOT_TRIM:
+        shutil.rmtree(root / rel, ignore_errors=True)
+    for rel in ("data", "run", "tmp", "var/log"):
+        (root / rel).mkdir(parents=True, exist_ok=True)
+    # The root is read-only: what the agent writes lives on /run (tmpfs).
+    resolv = root / "etc/resolv.conf"
+    resolv.unlink(missing_ok=True)
+    resolv.symlink_to("../run/resolv.conf")
+    copy_modules(kroot, kver, root)
+    lib = root / "usr/lib/feos-guest"
+    for dst, src in agent_sources(repo):
+        (lib / dst).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, lib / dst)
+    shutil.copy2(HERE / "feos-guest", lib / "feos-guest")
+    with zipfile.ZipFile(wheel) as whl:
+        whl.extractall(lib / "site")
+    # unchecked-hash: a read-only root never changes, so Python need not stat a source's mtime.
+    run("chroot", root, "python3", "-m", "compileall", "-q", "-f", "-j0",
+        "--invalidation-mode", "unchecked-hash", "/usr/lib/python3.11", "/usr/lib/python3",
+        "/usr/lib/feos-guest")
+
+
+def copy_modules(kroot: Path, kver: str, root: Path) -> None:
+    """The kernel's modules but for hardware a microVM never has, with their modules.dep."""
+    src = kroot / "lib/modules" / kver
+    dst = root / "lib/modules" / kver
+    skip = tuple(str(src / s) for s in _plan.ROOT_MODULES_SKIP)
+    shutil.copytree(
+        src, dst, ignore=lambda d, names: [n for n in names if f"{d}/{n}".startswith(skip)]
+    )
+    run("depmod", "-b", root, kver)
+
+
+def make_initramfs(kroot: Path, kver: str, busybox_root: Path, stage: Path) -> Path:
+    """An uncompressed newc cpio: busybox, /init, the modules, their order (/etc/feos-modules)."""
+    tree = stage / "initramfs.d"
+    shutil.rmtree(tree, ignore_errors=True)
+    for d in ("bin", "sbin", "etc", "dev", "proc", "sys", "root", "lib/modules"):
+        (tree / d).mkdir(parents=True, exist_ok=True)
+    shutil.copy2(busybox_root / "bin/busybox", tree / "bin/busybox")
+    for applet in run(tree / "bin/busybox", "--list", capture=True).split():
+        if applet != "busybox":
+            (tree / "bin" / applet).symlink_to("busybox")
+    shutil.copy2(HERE / "init", tree / "init")
+    (tree / "init").chmod(0o755)
+    order = module_order(kroot, kver)
+    for rel in order:
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(kroot / rel, tree / rel)
+    (tree / "etc/feos-modules").write_text("".join(f"/{rel}\n" for rel in order))
+    out = stage / "initramfs"
+    names = run("find", ".", "-mindepth", "1", capture=True, cwd=tree)
+    with out.open("wb") as f:
+        subprocess.run(["cpio", "--quiet", "-o", "-H", "newc", "--reproducible"], cwd=tree,
+                       input=names.encode(), stdout=f, check=True)
+    return out
+
+
+def make_data_volume(stage: Path) -> Path:
+    """The blank data volume: a sparse ext4 file, zstd-compressed (holes compress to nothing)."""
+    img = stage / "data.img"
+    img.unlink(missing_ok=True)
+    run("truncate", "-s", DATA_SIZE, img)
+    # lazy_itable_init=0 on a sparse file costs nothing (mke2fs punches, not writes, the zeroes)
+    # and leaves the guest no inode tables to zero in the background under TCG.
+    run("mkfs.ext4", "-q", "-F", "-L", "feos-data", "-m", "0",
+        "-E", "nodiscard,lazy_itable_init=0,lazy_journal_init=0", img)
+    out = stage / "data.img.zst"
+    run("zstd", "-q", "-f", "-T0", "-3", "--rm", img, "-o", out)
+    return out
+
+
+def build(repo: Path, work: Path, inputs: dict[str, object], version: str) -> Path:
+    stage = work / f"stage-{version}"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    debs = work / "debs"
+    kpkg, kdebver = inputs["kernel"]  # type: ignore[misc]
+    kroot = extract_once(download_deb(debs, kpkg, kdebver), work / f"kernel-{kpkg}-{kdebver}")
+    kver = kpkg.removeprefix("linux-image-")
+    if not (kroot / "lib/modules" / kver / "modules.dep").exists():
+        run("depmod", "-b", kroot, kver)
+    packages: dict[str, str] = inputs["packages"]  # type: ignore[assignment]
+    bb = packages["busybox-static"]
+    bbroot = extract_once(download_deb(debs, "busybox-static", bb), work / f"busybox-{bb}")
+    shutil.copy2(kroot / f"boot/vmlinuz-{kver}", stage / "vmlinuz")
+    (stage / "vmlinux").write_bytes(extract_vmlinux((stage / "vmlinuz").read_bytes()))
+    log("initramfs")
+    make_initramfs(kroot, kver, bbroot, stage)
+    tree = debootstrap(work, mirror(), packages)
+    log("root")
+    stage_root(tree, kroot, kver, repo, pycapnp_wheel(work), stage / "root.d")
+    log("root.erofs")
+    run("mkfs.erofs", "--quiet", "-zlz4hc", "--preserve-mtime", "--all-root",
+        stage / "root.erofs", stage / "root.d")
+    log("data.img.zst")
+    make_data_volume(stage)
+    write_manifest(stage, version, kver, inputs)
+    return stage
+
+
+def write_manifest(stage: Path, version: str, kver: str, inputs: dict[str, object]) -> None:
+    manifest = {
+        "version": version,
+        "built": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "kernel": kver,
+        "files": {name: sha256_file(stage / name) for name in FILES},
+        "inputs": inputs,
+    }
+    (stage / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def install(stage: Path, dest: Path) -> None:
+    """Copy the files next to dest, then rename: a version directory is whole or absent."""
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in (*FILES, "manifest.json"):
+        run("cp", "--sparse=always", stage / name, tmp / name)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hack/guest-image", description=__doc__.splitlines()[0])
+    ap.add_argument("--prefix", type=Path, default=Path("/"))
+    ap.add_argument("--work", type=Path, default=Path("/var/cache/feos-guest-build"))
+    ap.add_argument("--repo", type=Path, default=HERE.parent.parent)
+    ap.add_argument("--force", action="store_true", help="build even if the version is installed")
+    args = ap.parse_args(argv)
+    repo = args.repo.resolve()
+    inputs = gather_inputs(repo)
+    version = _plan.input_version(inputs)
+    dest = args.prefix / "usr/lib/feos/guest" / version
+    if (dest / "manifest.json").exists() and not args.force:
+        log(f"version {version} is installed")
+    else:
+        args.work.mkdir(parents=True, exist_ok=True)
+        log(f"building version {version} in {args.work}")
+        stage = build(repo, args.work, inputs, version)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        install(stage, dest)
+        shutil.rmtree(stage)
+    print(dest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
