@@ -1,0 +1,321 @@
+"""The pods' resolver on its sockets: a thin trio loop around _dnsresolver.
+
+It owns no sockets' lifetime: DnsSockets come from LISTEN_FDS or bind_dns_sockets and outlive it
+(a self-upgrade hands them on). `serve` reports started at once but reads nothing until
+`pods_loaded()`: queries wait in the socket buffers and the listen backlog meanwhile. Upstreams are
+asked over UDP, one fresh connected socket per attempt (a random port and ID: 32 bits to guess for
+an off-path forger), each with its own timeout, in order; a truncated answer is asked again over
+TCP. Nothing a client sends ends the server: malformed and oversized input is counted.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable, Mapping
+
+import attrs
+import trio
+
+from . import _dnsresolver as r
+from ._dnscache import AnswerCache, cache_key
+from ._dnsmsg import name_text
+from ._dnsupstream import DEFAULT_UPSTREAMS
+from ._listenfds import DnsSockets
+from ._nametable import Address, NameTable
+
+MAX_TCP_QUERY = 4096  # a query is a question and an OPT: nothing legitimate comes near it
+TCP_IDLE = 10.0
+MAX_TCP_CONNECTIONS = 256
+MAX_INFLIGHT = 4096
+
+SocketFactory = Callable[[int, int], socket.socket]
+Send = Callable[[bytes], Awaitable[None]]
+
+
+@attrs.define
+class DnsCounters:
+    udp_queries: int = 0
+    tcp_queries: int = 0
+    authoritative: int = 0
+    forwarded: int = 0
+    cache_hits: int = 0
+    refused: int = 0
+    malformed: int = 0
+    dropped: int = 0
+    oversized: int = 0
+    servfail: int = 0
+    upstream_timeouts: int = 0
+    upstream_errors: int = 0
+    tcp_retries: int = 0
+    tcp_connections: int = 0
+    tcp_rejected: int = 0
+    overloaded: int = 0
+    send_errors: int = 0
+
+
+class DnsServer:
+    def __init__(
+        self,
+        sockets: DnsSockets,
+        *,
+        pod_for: Callable[[ipaddress.IPv4Address], r.PodDns | None],
+        name_tables: Callable[[], Mapping[str, NameTable]],
+        on_record: Callable[[r.QueryRecord], None],
+        default_upstreams: tuple[Address, ...] = DEFAULT_UPSTREAMS,
+        upstream_timeout: float = 2.0,
+        upstream_port: int = 53,
+        socket_factory: SocketFactory = socket.socket,
+        cache: AnswerCache | None = None,
+    ) -> None:
+        self._sockets = sockets
+        self._pod_for = pod_for
+        self._name_tables = name_tables
+        self._on_record = on_record
+        self._defaults = default_upstreams
+        self._timeout = upstream_timeout
+        self._port = upstream_port
+        self._socket_factory = socket_factory
+        self._cache = cache
+        self._loaded = trio.Event()
+        self._inflight = 0
+        self._tcp_open = 0
+        self.counters = DnsCounters()
+
+    def pods_loaded(self) -> None:
+        """Start answering: the pods and their tables are known, so no query is refused wrongly."""
+        self._loaded.set()
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        udp = trio.socket.from_stdlib_socket(self._sockets.udp)
+        tcp = trio.socket.from_stdlib_socket(self._sockets.tcp)
+        task_status.started()
+        await self._loaded.wait()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._udp_loop, udp, nursery)
+            nursery.start_soon(self._tcp_loop, tcp, nursery)
+
+    # --- the client side ---------------------------------------------------------------------
+
+    async def _udp_loop(self, sock: trio.socket.SocketType, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                data, peer = await sock.recvfrom(65535)
+            except OSError:
+                continue  # an ICMP error queued on the socket: nothing to answer
+            self.counters.udp_queries += 1
+
+            async def send(wire: bytes, peer: tuple[str, int] = peer) -> None:
+                await sock.sendto(wire, peer)
+
+            await self._handle(data, peer[0], "udp", send, nursery)
+
+    async def _tcp_loop(self, listener: trio.socket.SocketType, nursery: trio.Nursery) -> None:
+        while True:
+            try:
+                conn, peer = await listener.accept()
+            except OSError:
+                await trio.sleep(0.01)  # out of fds, or a connection reset before accept
+                continue
+            if self._tcp_open >= MAX_TCP_CONNECTIONS:
+                self.counters.tcp_rejected += 1
+                conn.close()
+                continue
+            self.counters.tcp_connections += 1
+            nursery.start_soon(self._tcp_connection, conn, peer[0])
+
+    async def _tcp_connection(self, conn: trio.socket.SocketType, source: str) -> None:
+        self._tcp_open += 1
+        lock = trio.Lock()
+
+        async def send(wire: bytes) -> None:
+            async with lock:
+                await _send_all(conn, len(wire).to_bytes(2, "big") + wire)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                while (data := await self._read_tcp_query(conn)) is not None:
+                    self.counters.tcp_queries += 1
+                    await self._handle(data, source, "tcp", send, nursery)
+        except OSError:
+            pass  # the client reset the connection: its answers have nowhere to go
+        finally:
+            self._tcp_open -= 1
+            conn.close()
+
+    async def _read_tcp_query(self, conn: trio.socket.SocketType) -> bytes | None:
+        with trio.move_on_after(TCP_IDLE):
+            prefix = await _recv_exactly(conn, 2)
+            if prefix is None:
+                return None
+            length = int.from_bytes(prefix, "big")
+            if length > MAX_TCP_QUERY:
+                self.counters.oversized += 1
+                return None
+            data = await _recv_exactly(conn, length)
+            if data is None:
+                self.counters.malformed += 1
+            return data
+        return None
+
+    async def _handle(
+        self, data: bytes, source: str, transport: r.Transport, send: Send, nursery: trio.Nursery
+    ) -> None:
+        pod = self._pod_of(source)
+        action = r.decide(
+            data,
+            source,
+            pod,
+            self._name_tables(),
+            self._defaults,
+            transport=transport,
+            now=time.time(),
+        )
+        if isinstance(action, r.Drop):
+            self.counters.dropped += 1
+            if action.reason.startswith("shorter"):
+                self.counters.malformed += 1
+        elif isinstance(action, r.Reply):
+            self._count(action)
+            await self._send(send, action)
+        elif self._inflight >= MAX_INFLIGHT:
+            self.counters.overloaded += 1
+        elif not await self._from_cache(action, send):
+            self._inflight += 1
+            nursery.start_soon(self._forward, action, send)
+
+    def _pod_of(self, source: str) -> r.PodDns | None:
+        try:
+            address = ipaddress.IPv4Address(source)
+        except ValueError:
+            return None
+        return self._pod_for(address)
+
+    def _count(self, reply: r.Reply) -> None:
+        rcode = reply.record.rcode
+        if rcode == 1:
+            self.counters.malformed += 1
+        elif rcode == 5:
+            self.counters.refused += 1
+        elif reply.record.upstream is None and rcode == 0:
+            self.counters.authoritative += 1
+
+    async def _send(self, send: Send, reply: r.Reply) -> None:
+        try:
+            await send(reply.wire)
+        except OSError:
+            self.counters.send_errors += 1
+        self._on_record(reply.record)
+
+    async def _from_cache(self, fwd: r.Forward, send: Send) -> bool:
+        if self._cache is None:
+            return False
+        now = time.time()
+        hit = self._cache.get(cache_key(fwd), fwd, now)
+        if hit is None:
+            return False
+        self.counters.cache_hits += 1
+        q = fwd.query.questions[0]
+        record = r.QueryRecord(
+            now,
+            fwd.source,
+            fwd.pod,
+            name_text(q.name),
+            q.qtype,
+            hit.rcode,
+            hit.answers,
+            hit.upstream,
+            fwd.transport,
+            cached=True,
+        )
+        await self._send(send, r.Reply(hit.wire, record))
+        return True
+
+    # --- the upstream side -------------------------------------------------------------------
+
+    async def _forward(self, fwd: r.Forward, send: Send) -> None:
+        try:
+            self.counters.forwarded += 1
+            reply = await self._ask_upstreams(fwd)
+            if reply is None:
+                self.counters.servfail += 1
+                reply = r.upstream_failure(fwd, time.time())
+            elif self._cache is not None:
+                self._cache.put(
+                    cache_key(fwd),
+                    reply.wire,
+                    time.time(),
+                    reply.record.upstream,
+                    reply.record.answers,
+                )
+            await self._send(send, reply)
+        finally:
+            self._inflight -= 1
+
+    async def _ask_upstreams(self, fwd: r.Forward) -> r.Reply | None:
+        for upstream in fwd.upstreams:
+            ident = secrets.randbelow(65536)
+            with trio.move_on_after(self._timeout) as scope:
+                try:
+                    reply = await self._ask_udp(fwd, upstream, ident)
+                    if isinstance(reply, r.Retry):
+                        self.counters.tcp_retries += 1
+                        reply = await self._ask_tcp(fwd, upstream, ident)
+                except OSError:
+                    reply = None
+                if reply is not None:
+                    return reply
+                self.counters.upstream_errors += 1
+            if scope.cancelled_caught:
+                self.counters.upstream_timeouts += 1
+        return None
+
+    def _open(self, upstream: Address, kind: int) -> trio.socket.SocketType:
+        family = socket.AF_INET6 if upstream.version == 6 else socket.AF_INET
+        return trio.socket.from_stdlib_socket(self._socket_factory(family, kind))
+
+    async def _ask_udp(
+        self, fwd: r.Forward, upstream: Address, ident: int
+    ) -> r.Reply | r.Retry | None:
+        with self._open(upstream, socket.SOCK_DGRAM) as sock:
+            await sock.connect((str(upstream), self._port))
+            await sock.send(r.forward_query(fwd, ident))
+            while True:
+                data = await sock.recv(65535)
+                answer = r.accept_upstream(fwd, ident, upstream, data, time.time())
+                if answer is not None:
+                    return answer
+
+    async def _ask_tcp(self, fwd: r.Forward, upstream: Address, ident: int) -> r.Reply | None:
+        with self._open(upstream, socket.SOCK_STREAM) as sock:
+            await sock.connect((str(upstream), self._port))
+            query = r.forward_query(fwd, ident)
+            await _send_all(sock, len(query).to_bytes(2, "big") + query)
+            prefix = await _recv_exactly(sock, 2)
+            data = (
+                None if prefix is None else await _recv_exactly(sock, int.from_bytes(prefix, "big"))
+            )
+            if data is None:
+                return None
+            answer = r.accept_upstream(fwd, ident, upstream, data, time.time(), via_tcp=True)
+            return answer if isinstance(answer, r.Reply) else None
+
+
+async def _recv_exactly(sock: trio.socket.SocketType, n: int) -> bytes | None:
+    """n bytes, or None if the peer closed before."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+async def _send_all(sock: trio.socket.SocketType, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        sent = await sock.send(view)
+        view = view[sent:]
