@@ -39,8 +39,8 @@ struct PodSpec {
   memoryMib @1 :UInt32;          # 128 to 262144, a multiple of 2
   containers @2 :List(ContainerSpec);
   network :union {
-    none @3 :Void;               # no network at all
-    pod @4 :PodNetwork;
+    pod @3 :PodNetwork;          # the default: a network with the default group
+    none @4 :Void;               # no network at all
   }
   volumes @5 :List(PodVolume);   # at most eight
   metadataJson @6 :Text;         # a JSON object: keys of 1 to 128 of [A-Za-z0-9._-], 32 KiB at most

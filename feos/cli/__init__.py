@@ -1,1 +1,3 @@
-"""feos.cli."""
+"""feosctl, the command line over feosd's API."""
+
+from ._main import main as main

@@ -1,0 +1,130 @@
+"""HostService: what the node is, and its power: reboot, shutdown, and feosd's own upgrade."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from . import __version__
+from .errors import Code, FeosError
+
+log = logging.getLogger(__name__)
+
+
+def in_own_pid_namespace() -> bool:
+    """Whether feosd runs in a PID namespace below the host's, as in a container."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return len(line.split()) > 2
+    except OSError:
+        pass
+    return False
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+class HostService:
+    def __init__(
+        self,
+        *,
+        state_dir: Path,
+        self_upgrade: bool,
+        binary: Path,
+        upgrade: Callable[[Path], None],
+        versions: Callable[[], dict[str, Any]],
+    ) -> None:
+        self._state_dir = state_dir
+        self._self_upgrade = self_upgrade
+        self._binary = binary
+        self._upgrade = upgrade
+        self._versions = versions
+        self._started = time.time_ns()
+
+    async def get_host_info(self, params: dict[str, Any]) -> dict[str, Any]:
+        version = {"feosd": __version__, "python": platform.python_version(), **self._versions()}
+        return {
+            "info": {
+                "hostname": socket.gethostname(),
+                "kernel": platform.release(),
+                "bootId": boot_id(),
+                "pid": os.getpid(),
+                "startedUnixNs": self._started,
+                "version": version,
+                "selfUpgrade": self._self_upgrade,
+            }
+        }
+
+    def _signal_init(self, signum: int, what: str) -> None:
+        if in_own_pid_namespace():
+            raise FeosError(
+                Code.FAILED_PRECONDITION,
+                f"feosd runs in a PID namespace of its own: it cannot {what} the node",
+            )
+        log.warning("asked to %s the node: signalling PID 1", what)
+        os.kill(1, signum)
+
+    async def reboot(self, params: dict[str, Any]) -> dict[str, Any]:
+        self._signal_init(signal.SIGRTMIN + 5, "reboot")
+        return {}
+
+    async def shutdown(self, params: dict[str, Any]) -> dict[str, Any]:
+        self._signal_init(signal.SIGRTMIN + 4, "shut down")
+        return {}
+
+    async def upgrade_feos_binary(self, params: dict[str, Any]) -> dict[str, Any]:
+        if not self._self_upgrade:
+            raise FeosError(Code.FAILED_PRECONDITION, "feosd runs without --self-upgrade")
+        binary: bytes = params.get("binary", b"")
+        expected = params.get("sha256", "").lower()
+        if not binary:
+            raise FeosError(Code.INVALID_ARGUMENT, "binary: is empty")
+        if len(expected) != 64 or any(c not in "0123456789abcdef" for c in expected):
+            raise FeosError(Code.INVALID_ARGUMENT, "sha256: must be 64 hex digits")
+        actual = hashlib.sha256(binary).hexdigest()
+        if actual != expected:
+            raise FeosError(
+                Code.INVALID_ARGUMENT, f"sha256: the binary's is {actual}, not {expected}"
+            )
+        staged = await trio.to_thread.run_sync(self._stage, binary)
+        # The daemon answers first and execs the new program a moment later.
+        self._upgrade(staged)
+        return {}
+
+    def _stage(self, binary: bytes) -> Path:
+        from .records import write_whole
+
+        directory = self._state_dir / "upgrade"
+        directory.mkdir(parents=True, exist_ok=True)
+        staged = directory / "feosd"
+        write_whole(staged, binary)
+        os.chmod(staged, 0o755)
+        return staged
+
+
+def replace_binary(staged: Path, binary: Path) -> None:
+    """Move the staged program over feosd's own, atomically."""
+    os.replace(staged, binary)
+    from .records import fsync_dir
+
+    fsync_dir(binary.parent)
+
+
+def own_binary() -> Path:
+    return Path(sys.argv[0]).resolve()

@@ -1,0 +1,55 @@
+"""The one feosd per node: an exclusive flock on <state-dir>/feosd.lock, with feosd's pid in it.
+
+While another process holds it, feosd says so once and tries again every second, for as long as it
+takes: a feosd that stops (a rollout's old one suspending its pods) ends in its own time, and an
+exit would only meet systemd's start limit. The file is close-on-exec: a self-upgrade's exec takes
+the lock again, and nothing feosd runs holds it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from pathlib import Path
+
+import trio
+
+log = logging.getLogger(__name__)
+
+
+def _try(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def holder(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+async def take_lock(path: Path, *, retry: float = 1.0) -> int:
+    """Hold the lock (the fd returned) and write our pid into it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    said = False
+    while not _try(fd):
+        if not said:
+            log.warning(
+                "another feosd (pid %s) holds %s: waiting for it, trying every %gs",
+                holder(path),
+                path,
+                retry,
+            )
+            said = True
+        await trio.sleep(retry)
+    if said:
+        log.warning("took %s", path)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd

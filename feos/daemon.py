@@ -1,0 +1,317 @@
+"""feosd's main: options, the lock, the listeners, the services, and a clean stop.
+
+Theory of operation: `main` parses the options and runs `serve` under trio. `serve` takes the
+node's lock (waiting as long as another feosd holds it), becomes the subreaper of its children,
+starts the Cap'n Proto thread, loads the records, binds the API's listeners (or takes them over
+from the feosd that exec'd it in a self-upgrade), tells systemd it is ready, and serves until
+SIGTERM or SIGINT, or until an upgrade replaces it with a new program under the same pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import grp
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from . import _schema
+from ._host import HostService, own_binary, replace_binary
+from ._lock import take_lock
+from ._sdnotify import notify
+from .net._stores import NameTableService, SecurityGroupService
+from .pods._volumes import VolumeService
+from .rpc import CapnpThread, capnp_thread
+from .rpc._server import Cap, listen
+from .rpc._server import serve as serve_interface
+
+log = logging.getLogger("feosd")
+
+PR_SET_CHILD_SUBREAPER = 36
+LISTEN_VARIABLE = "FEOS_LISTEN_FDS"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="feosd", description="The feos node agent: pods as microVMs.")
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path("/var/lib/feos"),
+        help="records, the lock and the microVMs' directories (default /var/lib/feos)",
+    )
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        default=Path("/run/feos"),
+        help="the API socket api.sock and runtime state (default /run/feos)",
+    )
+    p.add_argument("--tcp", metavar="ADDRESS", help="also serve the API on TCP, such as [::]:1337")
+    p.add_argument(
+        "--self-upgrade",
+        action="store_true",
+        help="allow HostService.UpgradeFeosBinary to replace and re-execute feosd",
+    )
+    p.add_argument(
+        "--suspend-on-stop",
+        action="store_true",
+        help="on SIGTERM suspend the running pods for the next feosd",
+    )
+    p.add_argument(
+        "--stop-grace",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="how long a stop may take before feosd is killed (default 300)",
+    )
+    net = p.add_argument_group("the pods' network")
+    net.add_argument("--pod-prefix", help="the IPv6 prefix routed to this node, /1 to /120")
+    net.add_argument("--pod-ipv4-range", default="169.254.16.0/20")
+    net.add_argument("--dns-address", default="169.254.0.53")
+    net.add_argument("--otlp-address", default="169.254.169.1")
+    net.add_argument("--dns-upstream", action="append", default=[])
+    net.add_argument("--deny-prefix", action="append", default=[])
+    cp = p.add_argument_group("the control plane (not built yet: accepted and logged)")
+    cp.add_argument("--control-plane", metavar="HOST:PORT")
+    cp.add_argument("--control-plane-name")
+    cp.add_argument("--trust-domain", default="feos.local")
+    cp.add_argument("--join-token-file", type=Path, default=Path("/etc/feos/join-token"))
+    cp.add_argument("--node-dir", type=Path)
+    cp.add_argument("--mesh-port", type=int, default=51820)
+    cp.add_argument("--mesh-address")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = p.parse_args(argv)
+    if args.stop_grace <= 0:
+        p.error("--stop-grace: must be a positive number of seconds")
+    if args.tcp is not None:
+        try:
+            args.tcp_address = parse_tcp(args.tcp)
+        except ValueError as exc:
+            p.error(f"--tcp: {exc}")
+    return args
+
+
+def parse_tcp(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r} is not HOST:PORT (such as [::]:1337 or 127.0.0.1:1337)")
+    return host.strip("[]") or "::", int(port)
+
+
+# -- listeners ---------------------------------------------------------------------------------
+
+
+def bind_unix(path: Path) -> socket.socket:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.bind(str(path))
+    try:
+        gid = grp.getgrnam("feos").gr_gid
+    except KeyError:
+        os.chmod(path, 0o600)
+    else:
+        os.chown(path, 0, gid)
+        os.chmod(path, 0o660)
+    sock.listen(128)
+    return sock
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    sock.bind((host, port))
+    sock.listen(128)
+    return sock
+
+
+def inherited_listeners(environ: dict[str, str]) -> dict[str, socket.socket]:
+    """The listeners a self-upgrade handed over: FEOS_LISTEN_FDS=api:N,tcp:M."""
+    spec = environ.pop(LISTEN_VARIABLE, "")
+    found: dict[str, socket.socket] = {}
+    for item in filter(None, spec.split(",")):
+        name, _, fd = item.partition(":")
+        sock = socket.socket(fileno=int(fd))
+        sock.set_inheritable(False)
+        found[name] = sock
+    return found
+
+
+# -- the daemon --------------------------------------------------------------------------------
+
+
+class Daemon:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.state_dir: Path = args.state_dir
+        self.run_dir: Path = args.run_dir
+        self.volumes = VolumeService(self.state_dir)
+        self.groups = SecurityGroupService(self.state_dir, in_use=self.pods_naming_group)
+        self.names = NameTableService(self.state_dir, in_use=self.pods_naming_table)
+        self.host = HostService(
+            state_dir=self.state_dir,
+            self_upgrade=args.self_upgrade,
+            binary=own_binary(),
+            upgrade=self.request_upgrade,
+            versions=self.versions,
+        )
+        self.listeners: dict[str, socket.socket] = {}
+        self._upgrade_send, self._upgrade_receive = trio.open_memory_channel[Path](1)
+
+    # Until pods exist on this node, nothing names a group or a table.
+    def pods_naming_group(self, group_id: str) -> list[str]:
+        return []
+
+    def pods_naming_table(self, table_id: str) -> list[str]:
+        return []
+
+    def versions(self) -> dict[str, Any]:
+        return {"guests": [], "firecrackers": [], "driver": "", "accel": "", "network": ""}
+
+    def request_upgrade(self, staged: Path) -> None:
+        try:
+            self._upgrade_send.send_nowait(staged)
+        except trio.WouldBlock:
+            from .errors import Code, FeosError
+
+            raise FeosError(Code.ABORTED, "an upgrade is already under way") from None
+
+    def bootstrap(self, bridge: CapnpThread) -> Any:
+        pod, vol, net, host, api = (
+            _schema.pod(),
+            _schema.volume(),
+            _schema.network(),
+            _schema.host(),
+            _schema.api(),
+        )
+        services = {
+            "volumes": Cap(vol.VolumeService, self.volumes),
+            "securityGroups": Cap(net.SecurityGroupService, self.groups),
+            "names": Cap(net.NameService, self.names),
+            "host": Cap(host.HostService, self.host),
+            "pods": Cap(pod.PodService, object()),
+            "traffic": Cap(net.TrafficService, object()),
+            "mesh": Cap(net.MeshService, object()),
+        }
+
+        class Root:
+            pass
+
+        root = Root()
+        for name, cap in services.items():
+
+            async def get(params: dict[str, Any], cap: Cap = cap) -> dict[str, Any]:
+                return {"service": cap}
+
+            setattr(root, name, get)
+        return lambda: serve_interface(api.Feos, root, bridge)
+
+    def load(self) -> None:
+        self.volumes.load()
+        self.groups.load()
+        self.names.load()
+
+    def bind(self, inherited: dict[str, socket.socket]) -> None:
+        self.listeners["api"] = inherited.pop("api", None) or bind_unix(self.run_dir / "api.sock")
+        if self.args.tcp is not None:
+            self.listeners["tcp"] = inherited.pop("tcp", None) or bind_tcp(*self.args.tcp_address)
+        for sock in inherited.values():
+            sock.close()
+
+    async def serve(self, inherited: dict[str, socket.socket]) -> None:
+        lock_fd = await take_lock(self.state_dir / "feosd.lock")
+        set_subreaper()
+        self.load()
+        async with capnp_thread() as bridge:
+            self.bind(inherited)
+            bootstrap = self.bootstrap(bridge)
+            servers = [
+                await bridge.call(listen, sock, bootstrap) for sock in self.listeners.values()
+            ]
+            log.info("serving the API on %s", ", ".join(_where(s) for s in self.listeners.values()))
+            notify("READY=1")
+            staged = await self._wait_for_end()
+            for server in servers:
+                server.close()
+        if staged is not None:
+            self.exec_upgrade(staged, lock_fd)
+
+    async def _wait_for_end(self) -> Path | None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                outcome: list[Path | None] = []
+
+                async def on_signal() -> None:
+                    async for signum in signals:
+                        log.info("%s: stopping", signal.Signals(signum).name)
+                        outcome.append(None)
+                        nursery.cancel_scope.cancel()
+                        return
+
+                async def on_upgrade() -> None:
+                    staged = await self._upgrade_receive.receive()
+                    await trio.sleep(0.2)  # the call's answer goes out first
+                    outcome.append(staged)
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(on_signal)
+                nursery.start_soon(on_upgrade)
+        return outcome[0] if outcome else None
+
+    def exec_upgrade(self, staged: Path, lock_fd: int) -> None:
+        binary = own_binary()
+        replace_binary(staged, binary)
+        handed = []
+        for name, sock in self.listeners.items():
+            sock.set_inheritable(True)
+            handed.append(f"{name}:{sock.fileno()}")
+        env = dict(os.environ, **{LISTEN_VARIABLE: ",".join(handed)})
+        log.warning("upgrading: executing %s with the same pid", binary)
+        logging.shutdown()
+        os.close(lock_fd)  # close-on-exec anyway; the new program takes it again
+        os.execve(str(binary), [str(binary), *sys.argv[1:]], env)
+
+    def close(self) -> None:
+        self.volumes.close()
+        self.groups.close()
+        self.names.close()
+
+
+def _where(sock: socket.socket) -> str:
+    name = sock.getsockname()
+    return name if isinstance(name, str) else f"{name[0]}:{name[1]}"
+
+
+def set_subreaper() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        log.warning("cannot become the subreaper of feosd's children: errno %d", ctypes.get_errno())
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s feosd %(levelname)s %(name)s: %(message)s",
+    )
+    if os.getpid() == 1:
+        sys.exit("feosd: refusing to run as PID 1 (run it under systemd or feos-host-init)")
+    inherited = inherited_listeners(os.environ)  # type: ignore[arg-type]
+    daemon = Daemon(args)
+    try:
+        trio.run(daemon.serve, inherited)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        daemon.close()

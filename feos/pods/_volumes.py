@@ -1,0 +1,205 @@
+"""VolumeService: disks that outlive the pods they are attached to.
+
+A volume is recorded at creation (AVAILABLE); its disk is made at its first boot. A pod claims
+its volumes all or none (ATTACHED to it) and its deletion lets them go (AVAILABLE again). A
+volume's disk is a sparse file, <state-dir>/volumes/<id>.disk, until diskd serves disks.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .. import _schema
+from .._store import Store
+from ..errors import Code, FeosError, invalid
+from ..records import RecordDir
+
+MIB = 1 << 20
+MIN_SIZE = 64 * MIB
+MAX_SIZE = 16 << 40
+MAX_LABELS = 64
+
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+_LABEL_KEY = re.compile(r"[a-z0-9]([a-z0-9._/-]{0,61}[a-z0-9])?")
+
+AVAILABLE, ATTACHED, CHECKPOINTED = "available", "attached", "checkpointed"
+
+
+@attrs.frozen
+class Volume:
+    id: str
+    size_bytes: int
+    labels: tuple[tuple[str, str], ...]
+    state: str = AVAILABLE
+    pod_id: str = ""
+    formatted: bool = False
+    created_unix_ns: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "sizeBytes": self.size_bytes,
+            "labels": [{"key": k, "value": v} for k, v in self.labels],
+            "state": self.state,
+            "podId": self.pod_id,
+            "formatted": self.formatted,
+            "createdUnixNs": self.created_unix_ns,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Volume:
+        return cls(
+            id=data["id"],
+            size_bytes=data.get("sizeBytes", 0),
+            labels=tuple((lb["key"], lb.get("value", "")) for lb in data.get("labels", [])),
+            state=data.get("state", AVAILABLE),
+            pod_id=data.get("podId", ""),
+            formatted=data.get("formatted", False),
+            created_unix_ns=data.get("createdUnixNs", 0),
+        )
+
+
+def check_volume_id(value: object, field: str = "id") -> str:
+    if not isinstance(value, str) or not _UUID.fullmatch(value):
+        raise invalid(field, "must be a lowercase UUID (8-4-4-4-12 hex digits)")
+    return value
+
+
+def check_size(value: object) -> int:
+    if not isinstance(value, int) or value < MIN_SIZE or value > MAX_SIZE or value % MIB:
+        raise invalid("sizeBytes", "must be from 64 MiB to 16 TiB in whole MiB")
+    return value
+
+
+def check_labels(labels: Sequence[dict[str, Any]]) -> tuple[tuple[str, str], ...]:
+    if len(labels) > MAX_LABELS:
+        raise invalid("labels", f"at most {MAX_LABELS}")
+    seen: dict[str, str] = {}
+    for i, label in enumerate(labels):
+        key, value = label.get("key", ""), label.get("value", "")
+        if not _LABEL_KEY.fullmatch(key):
+            raise invalid(
+                f"labels[{i}].key",
+                "must be 1 to 63 of a-z, 0-9, ., _, / and -, "
+                "starting and ending with a letter or digit",
+            )
+        if len(value) > 256:
+            raise invalid(f"labels[{i}].value", "at most 256 characters")
+        if key in seen:
+            raise invalid(f"labels[{i}].key", f"{key} is given twice")
+        seen[key] = value
+    return tuple(sorted(seen.items()))
+
+
+class VolumeService:
+    def __init__(self, state_dir: Path) -> None:
+        self.directory = state_dir / "volumes"
+        self.store: Store[Volume] = Store(
+            RecordDir(self.directory, _schema.volume().Volume, thread_name="volume-records"),
+            Volume.to_dict,
+            Volume.from_dict,
+        )
+        self._dicts: dict[str, dict[str, Any]] = {}
+
+    def load(self) -> None:
+        self.store.load()
+        self._dicts = {v.id: v.to_dict() for v in self.store}
+
+    def disk_path(self, volume_id: str) -> Path:
+        return self.directory / f"{volume_id}.disk"
+
+    def _get(self, volume_id: str) -> Volume:
+        volume = self.store.get(volume_id)
+        if volume is None:
+            raise FeosError(Code.NOT_FOUND, f"volume {volume_id} does not exist")
+        return volume
+
+    async def _keep(self, volume: Volume) -> None:
+        await self.store.put(volume.id, volume)
+        self._dicts[volume.id] = volume.to_dict()
+
+    # -- the API ---------------------------------------------------------------------------
+
+    async def create_volume(self, params: dict[str, Any]) -> dict[str, Any]:
+        volume_id = check_volume_id(params.get("id", ""))
+        size = check_size(params.get("sizeBytes", 0))
+        labels = check_labels(params.get("labels", []))
+        async with self.store.lock:
+            found = self.store.get(volume_id)
+            if found is not None:
+                if found.size_bytes == size and found.labels == labels:
+                    return {"volume": self._dicts[volume_id]}
+                raise FeosError(
+                    Code.ALREADY_EXISTS, f"volume {volume_id} exists with another size or labels"
+                )
+            volume = Volume(volume_id, size, labels, created_unix_ns=time.time_ns())
+            await self._keep(volume)
+        return {"volume": self._dicts[volume_id]}
+
+    async def get_volume(self, params: dict[str, Any]) -> dict[str, Any]:
+        volume_id = check_volume_id(params.get("id", ""))
+        self._get(volume_id)
+        return {"volume": self._dicts[volume_id]}
+
+    async def list_volumes(self, params: dict[str, Any]) -> dict[str, Any]:
+        return {"volumes": list(self._dicts.values())}
+
+    async def delete_volume(self, params: dict[str, Any]) -> dict[str, Any]:
+        volume_id = check_volume_id(params.get("id", ""))
+        async with self.store.lock:
+            volume = self._get(volume_id)
+            if volume.pod_id:
+                raise FeosError(
+                    Code.FAILED_PRECONDITION,
+                    f"volume {volume_id} is {volume.state} to pod {volume.pod_id}",
+                )
+            await self.store.remove(volume_id)
+            self._dicts.pop(volume_id, None)
+        path = self.disk_path(volume_id)
+        import trio
+
+        await trio.to_thread.run_sync(lambda: path.unlink(missing_ok=True))
+        return {}
+
+    # -- for the pod service ---------------------------------------------------------------
+
+    async def claim(self, pod_id: str, volume_ids: Sequence[str]) -> None:
+        """Attach every volume to the pod, or none: each must exist and be another pod's not."""
+        async with self.store.lock:
+            for volume_id in volume_ids:
+                volume = self.store.get(volume_id)
+                if volume is None:
+                    raise FeosError(
+                        Code.FAILED_PRECONDITION, f"volume {volume_id} is not on this node"
+                    )
+                if volume.pod_id and volume.pod_id != pod_id:
+                    raise FeosError(
+                        Code.FAILED_PRECONDITION,
+                        f"volume {volume_id} is attached to pod {volume.pod_id}",
+                    )
+            for volume_id in volume_ids:
+                volume = self._get(volume_id)
+                if volume.pod_id != pod_id or volume.state != ATTACHED:
+                    await self._keep(attrs.evolve(volume, state=ATTACHED, pod_id=pod_id))
+
+    async def release(self, pod_id: str) -> None:
+        """Let go of every volume the pod has: AVAILABLE again (a checkpointed one stays so)."""
+        async with self.store.lock:
+            for volume in self.store:
+                if volume.pod_id == pod_id and volume.state == ATTACHED:
+                    await self._keep(attrs.evolve(volume, state=AVAILABLE, pod_id=""))
+
+    async def mark_formatted(self, volume_id: str) -> None:
+        async with self.store.lock:
+            volume = self.store.get(volume_id)
+            if volume is not None and not volume.formatted:
+                await self._keep(attrs.evolve(volume, formatted=True))
+
+    def close(self) -> None:
+        self.store.close()

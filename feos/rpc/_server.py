@@ -1,0 +1,134 @@
+"""The API server: Cap'n Proto interfaces served by trio services through the bridge.
+
+Theory of operation: `serve(interface, impl, bridge)` builds a pycapnp Server for `interface`
+whose every method does the same three things on the Cap'n Proto thread: turn the params into a
+dict, run the service's trio method of the same name in snake_case (`getVolume` -> `get_volume`)
+through the bridge, and write the dict it returns into the results. A FeosError becomes the
+results' status; any other exception is logged and answered INTERNAL; a method the service lacks
+answers UNIMPLEMENTED. A service returns `Cap(interface, impl)` for a capability result (a
+stream), which is served the same way.
+
+Listeners are sockets feosd made itself (so a self-upgrade can hand them on); each connection is
+its own two-party session, and garbage on one closes that one alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+
+from .._codec import camel, snake
+from ..errors import Code, FeosError
+from ._bridge import CapnpThread
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class Cap:
+    """A capability in a result: `impl` served as `interface`."""
+
+    interface: Any
+    impl: object
+
+
+def status_dict(exc: FeosError) -> dict[str, Any]:
+    status: dict[str, Any] = {"code": camel(exc.code.name.lower()), "message": exc.message}
+    if exc.busy:
+        status["vmBusy"] = {}
+    return status
+
+
+def _fill(results: Any, values: dict[str, Any], bridge: CapnpThread) -> None:
+    for key, value in values.items():
+        if isinstance(value, Cap):
+            setattr(results, key, serve(value.interface, value.impl, bridge))
+        elif value is not None:
+            setattr(results, key, value)
+
+
+def _method(name: str) -> Callable[..., Awaitable[None]]:
+    py_name = snake(name)
+
+    async def handler(self: Any, _context: Any, **_params: Any) -> None:
+        results = _context.results
+        target = getattr(self._impl, py_name, None)
+        if target is None:
+            results.status = status_dict(FeosError(Code.UNIMPLEMENTED, f"{name} is not built yet"))
+            return
+        params = _context.params.to_dict()
+        try:
+            values = await self._bridge.to_trio(target, params)
+        except FeosError as exc:
+            results.status = status_dict(exc)
+            return
+        except Exception as exc:
+            log.exception("%s failed", name)
+            results.status = status_dict(FeosError(Code.INTERNAL, f"{name}: {exc}"))
+            return
+        if values:
+            _fill(results, values, self._bridge)
+
+    handler.__name__ = name
+    return handler
+
+
+_classes: dict[int, type] = {}
+
+
+def _server_class(interface: Any) -> type:
+    cls = _classes.get(id(interface))
+    if cls is None:
+        namespace: dict[str, Any] = {n: _method(n) for n in interface.schema.method_names}
+
+        def __init__(self: Any, impl: object, bridge: CapnpThread) -> None:
+            interface.Server.__init__(self)
+            self._impl = impl
+            self._bridge = bridge
+
+        namespace["__init__"] = __init__
+        cls = type(
+            f"{interface.schema.node.displayName.split(':')[-1]}Server",
+            (interface.Server,),
+            namespace,
+        )
+        _classes[id(interface)] = cls
+    return cls
+
+
+def serve(interface: Any, impl: object, bridge: CapnpThread) -> Any:
+    """A pycapnp server object of `interface` backed by the trio service `impl`."""
+    return _server_class(interface)(impl, bridge)
+
+
+async def _accept(bootstrap: Callable[[], Any], stream: Any) -> None:
+    server = None
+    try:
+        import capnp
+
+        server = capnp.TwoPartyServer(stream, bootstrap=bootstrap())
+        await server.on_disconnect()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # a broken peer ends its own connection only
+        log.debug("API connection ended: %s", exc)
+    finally:
+        if server is not None:
+            server.close()
+
+
+async def listen(sock: socket.socket, bootstrap: Callable[[], Any]) -> Any:
+    """On the Cap'n Proto thread: serve every connection on the listening socket `sock`."""
+    import capnp
+
+    async def on_connect(stream: Any) -> None:
+        await _accept(bootstrap, stream)
+
+    if sock.family == socket.AF_UNIX:
+        return await capnp.AsyncIoStream.create_unix_server(on_connect, sock=sock)
+    return await capnp.AsyncIoStream.create_server(on_connect, sock=sock)
