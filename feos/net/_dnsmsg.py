@@ -282,7 +282,7 @@ class _Writer:
     def name(self, name: Name) -> None:
         _check_name(name)
         for i in range(len(name)):
-            suffix = tuple(label.lower() for label in name[i:])
+            suffix = name[i:]  # exact bytes: a pointer must give back the case written
             known = self.offsets.get(suffix)
             if known is not None:
                 self.out += struct.pack("!H", 0xC000 | known)
