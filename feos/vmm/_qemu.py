@@ -1,0 +1,583 @@
+"""The QEMU driver: `-M microvm` under TCG (or KVM where it really runs guests), driven by QMP.
+
+Theory of operation. A microVM's directory, <state>/vms/qemu/<id>/, holds everything of it:
+
+    config       the argv as JSON, written at creation (a resume adds -S -incoming fd:3)
+    qmp.sock     QMP (one client at a time: the driver keeps one connection per live VM and
+                 shares it between its commands and its watch for SHUTDOWN)
+    guest.sock   the guest link, a virtio-serial port (QEMU is the socket's server)
+    serial.log   the guest's console since the last boot; console.in, a FIFO, is its input
+    vmm.log      QEMU's own stderr
+    vmlinux, initramfs, root.erofs   linked from the guest version; data, volume0.. linked too
+    snapshot/    memory (QEMU's migration stream) of a suspended VM
+    qemu.pid     the process, for a feosd that starts again
+    late-snapshot  the marker of a snapshot past its timeout (survives a restart)
+    jail.json    what a deletion undoes
+
+QEMU is confined as far as it allows: -chroot into the directory and -runas the microVM's own
+uid once it has opened its files, and -sandbox (seccomp) with spawning denied: the suspend and
+resume hand QEMU the snapshot's file descriptor (`getfd` over QMP, `-incoming fd:3`), so QEMU
+never needs a shell or a file inside its chroot. elevateprivileges=deny is left off: QEMU 7.2
+installs the filter before -runas switches user, so the filter kills its own setuid (SIGSYS).
+
+A process is followed by its pidfd: readable when QEMU ends, whether feosd started it or took it
+over after a restart. Its end says how the microVM ended: exit 0 or a SHUTDOWN event that the
+guest caused is stopped; a signal, another code, or an end without a guest SHUTDOWN is crashed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from feos.errors import Code, FeosError, busy
+
+from ._driver import Adopted, Exit, VmHandle, VmState
+from ._qemu_argv import Drive, QemuConfig, Tap, host_tsc_khz, kernel_cmdline, qemu_argv
+from ._qmp import Qmp, connect_qmp
+
+log = logging.getLogger("feos.vmm.qemu")
+
+LATE_MARKER = "late-snapshot"
+SNAPSHOT_FILE = "memory"
+MAX_BANDWIDTH = 1 << 40  # bytes/s: QEMU's default cap (128 MiB/s) would make a suspend 10x slower
+QMP_WITHIN_S = 5.0
+
+
+@attrs.define
+class _Live:
+    """A QEMU process the driver follows."""
+
+    pid: int
+    pidfd: int
+    qmp: Qmp | None = None
+    exit: Exit | None = None
+    ended: trio.Event = attrs.field(factory=trio.Event)
+    reaping: bool = False
+
+
+def exit_of(code: int | None, signo: int | None, guest_shutdown: bool) -> Exit:
+    """How a QEMU process ended, from its status where known and the SHUTDOWN it announced."""
+    if signo is not None:
+        return Exit(VmState.CRASHED, f"QEMU was killed by signal {signo}")
+    if code == 0 or (code is None and guest_shutdown):
+        return Exit(VmState.STOPPED, "the guest shut down")
+    if code is None:
+        return Exit(VmState.CRASHED, "QEMU ended without the guest shutting down")
+    return Exit(VmState.CRASHED, f"QEMU exited with status {code}")
+
+
+def cmdline_names(cmdline: bytes, directory: Path) -> bool:
+    """Whether a /proc/<pid>/cmdline is QEMU's of this directory (and not a reused pid)."""
+    words = cmdline.split(b"\0")
+    return bool(words) and b"qemu" in words[0] and f"{directory}/qmp.sock".encode() in cmdline
+
+
+class QemuDriver:
+    """Implements feos.vmm._driver.Driver for QEMU's microvm machine."""
+
+    name = "qemu"
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        qemu: str = "qemu-system-x86_64",
+        confine: bool = True,
+        tsc_khz: int | None = None,
+    ) -> None:
+        self._root = Path(state_dir) / "vms" / "qemu"
+        found = shutil.which(qemu)
+        self._qemu = found or qemu
+        self._confine = confine
+        self._tsc_khz = tsc_khz if tsc_khz is not None else host_tsc_khz()
+        self._live: dict[str, _Live] = {}
+
+    # -- paths and config -----------------------------------------------------------------
+
+    def directory(self, vm_id: str) -> Path:
+        return self._root / vm_id
+
+    def guest_link(self, vm: VmHandle) -> Path:
+        return vm.directory / "guest.sock"
+
+    def late_snapshot(self, vm: VmHandle) -> bool:
+        return (vm.directory / LATE_MARKER).exists()
+
+    def config(self, vm: VmHandle) -> QemuConfig:
+        d = vm.directory
+        drives = [Drive(str(d / "root.erofs"), "root", read_only=True)]
+        if vm.spec.data_disk is not None:
+            drives.append(Drive(str(d / "data"), "data"))
+        drives += [Drive(str(d / f"volume{i}"), f"vol{i + 1}") for i in range(len(vm.spec.volumes))]
+        tap = None
+        if vm.spec.tap is not None:
+            tap = Tap(vm.spec.tap, vm.spec.mac or "06:00:00:00:00:01")
+        confine = self._confine and os.geteuid() == 0
+        return QemuConfig(
+            kernel=str(d / "vmlinux"), initramfs=str(d / "initramfs"),
+            cmdline=kernel_cmdline(self._tsc_khz, "feos.guest", *vm.spec.kernel_extra),
+            vcpus=vm.spec.vcpus, memory_mib=vm.spec.memory_mib, drives=tuple(drives),
+            link_socket=str(d / "guest.sock"), tap=tap, qmp_socket=str(d / "qmp.sock"),
+            serial_log=None, accel="kvm" if vm.accel == "kvm" else "tcg",
+            chroot=str(d) if confine else None,
+            runas=f"{vm.uid}:{vm.uid}" if confine and vm.uid is not None else None,
+            sandbox=False, name=f"feos-{vm.id}", qemu=self._qemu,
+        )  # fmt: skip
+
+    def argv(self, vm: VmHandle) -> list[str]:
+        """The builder's argv with this driver's console and sandbox (a thin wrapper over it)."""
+        argv = qemu_argv(self.config(vm))
+        # The console: stdin is console.in (a FIFO), stdout serial.log; the builder's -serial
+        # file: has no input side.
+        i = argv.index("-serial")
+        argv[i : i + 2] = ["-chardev", "stdio,id=console,signal=off", "-serial", "chardev:console"]
+        if self._confine and os.geteuid() == 0:
+            argv += ["-sandbox", "on,obsolete=deny,spawn=deny,resourcecontrol=deny"]
+        return argv
+
+    # -- prepare ----------------------------------------------------------------------------
+
+    async def prepare(self, vm: VmHandle) -> None:
+        await trio.to_thread.run_sync(self._prepare, vm)
+
+    def _prepare(self, vm: VmHandle) -> None:
+        d = vm.directory
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "snapshot").mkdir(exist_ok=True)
+        links: list[str] = []
+        for name in ("vmlinux", "initramfs", "root.erofs"):
+            _link(vm.guest_dir / name, d / name, hard=True)
+            links.append(name)
+        if vm.spec.data_disk is not None:
+            _link(Path(vm.spec.data_disk), d / "data", hard=False)
+            links.append("data")
+        for i, volume in enumerate(vm.spec.volumes):
+            _link(Path(volume), d / f"volume{i}", hard=False)
+            links.append(f"volume{i}")
+        if not (d / "console.in").exists():
+            os.mkfifo(d / "console.in", 0o600)
+        (d / "metadata.json").write_text(vm.spec.metadata)
+        _write_json(d / "config", self.argv(vm))
+        _write_json(d / "jail.json", {"links": links, "taps": [], "uid": vm.uid,
+                                      "guest_version": vm.guest_version})  # fmt: skip
+
+    # -- start, wait, shutdown ----------------------------------------------------------------
+
+    async def start(self, vm: VmHandle, *, within: float) -> None:
+        argv = json.loads((vm.directory / "config").read_text())
+        await self._spawn(vm, argv, None, within)
+
+    async def _spawn(self, vm: VmHandle, argv: list[str], incoming: Path | None,
+                     within: float) -> None:  # fmt: skip
+        d = vm.directory
+        with contextlib.suppress(FileNotFoundError):
+            (d / "qmp.sock").unlink()
+        pid = await trio.to_thread.run_sync(_spawn, argv, d, incoming)
+        live = _Live(pid, os.pidfd_open(pid))
+        self._live[vm.id] = live
+        (d / "qemu.pid").write_text(f"{pid}\n")
+        try:
+            live.qmp = await self._connect(vm, live, within)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await self._kill(vm.id)
+            raise
+
+    async def _connect(self, vm: VmHandle, live: _Live, within: float) -> Qmp:
+        """QMP, tried until QEMU has made its socket, within `within`."""
+        path = str(vm.directory / "qmp.sock")
+        deadline = trio.current_time() + within
+        while True:
+            if _exited(live.pidfd):
+                exit_ = await self._reap(vm.id, live)
+                tail = _tail(vm.directory / "vmm.log")
+                raise FeosError(Code.INTERNAL, f"QEMU ended at its start: {exit_.reason}: {tail}")
+            try:
+                return await connect_qmp(path, within=max(0.1, deadline - trio.current_time()))
+            except FeosError:
+                if trio.current_time() >= deadline:
+                    raise FeosError(
+                        Code.UNAVAILABLE, f"QEMU's QMP did not answer within {within}s"
+                    ) from None
+            await trio.sleep(0.01)
+
+    async def wait(self, vm: VmHandle) -> Exit:
+        live = self._live.get(vm.id)
+        if live is None:
+            raise FeosError(Code.FAILED_PRECONDITION, f"microVM {vm.id} has no QEMU")
+        return await self._reap(vm.id, live)
+
+    async def _reap(self, vm_id: str, live: _Live) -> Exit:
+        """Wait for the end of the process and learn how it ended (once; others wait for it)."""
+        if live.reaping:  # another task reaps it: wait for its answer
+            await live.ended.wait()
+            assert live.exit is not None
+            return live.exit
+        live.reaping = True
+        await trio.lowlevel.wait_readable(live.pidfd)
+        code, signo = _waitid(live.pidfd)
+        shutdown = False
+        if live.qmp is not None:
+            with trio.move_on_after(1):
+                with contextlib.suppress(FeosError):
+                    await live.qmp.wait_event("__never__")  # drain up to EOF
+            event = live.qmp.seen("SHUTDOWN")
+            shutdown = event is not None and bool(event.data.get("guest"))
+            live.qmp.close()
+        live.exit = exit_of(code, signo, shutdown)
+        os.close(live.pidfd)
+        live.ended.set()
+        return live.exit
+
+    async def shutdown(self, vm: VmHandle, *, grace: float) -> Exit:
+        live = self._need(vm)
+        with contextlib.suppress(FeosError):
+            assert live.qmp is not None
+            await live.qmp.execute("system_powerdown")
+        with trio.move_on_after(grace):
+            return await self.wait(vm)
+        await self._kill(vm.id)
+        return Exit(VmState.CRASHED, f"the guest did not power off within {grace:g}s")
+
+    async def _kill(self, vm_id: str) -> None:
+        live = self._live.get(vm_id)
+        if live is None:
+            return
+        if not live.ended.is_set():
+            with contextlib.suppress(ProcessLookupError, OSError):
+                signal.pidfd_send_signal(live.pidfd, signal.SIGKILL)
+            await self._reap(vm_id, live)
+
+    def _need(self, vm: VmHandle) -> _Live:
+        live = self._live.get(vm.id)
+        if live is None or live.ended.is_set() or live.qmp is None:
+            raise FeosError(Code.FAILED_PRECONDITION, f"microVM {vm.id} is not running")
+        return live
+
+    # -- suspend and resume --------------------------------------------------------------------
+
+    async def suspend(self, vm: VmHandle, *, snapshot_timeout: float) -> None:
+        live = self._need(vm)
+        assert live.qmp is not None
+        snap = vm.directory / "snapshot"
+        part = snap / f"{SNAPSHOT_FILE}.part"
+        await live.qmp.execute("stop")
+        await live.qmp.execute("migrate-set-parameters", {"max-bandwidth": MAX_BANDWIDTH})
+        snap.mkdir(exist_ok=True)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            await live.qmp.execute("getfd", {"fdname": "snapshot"}, fd=fd)
+        finally:
+            os.close(fd)
+        await live.qmp.execute("migrate", {"uri": "fd:snapshot"})
+        with trio.move_on_after(snapshot_timeout):
+            await _migrated(live.qmp)
+            await self._finish_suspend(vm, live)
+            return
+        (vm.directory / LATE_MARKER).write_text(json.dumps({"since": time.time()}))
+        raise busy(f"QEMU still writes the snapshot of microVM {vm.id} "
+                   f"(past its timeout of {snapshot_timeout:g}s)")  # fmt: skip
+
+    async def _finish_suspend(self, vm: VmHandle, live: _Live) -> None:
+        snap = vm.directory / "snapshot"
+        if (snap / f"{SNAPSHOT_FILE}.part").exists():
+            await trio.to_thread.run_sync(_fsync_rename, snap / f"{SNAPSHOT_FILE}.part",
+                                          snap / SNAPSHOT_FILE)  # fmt: skip
+        assert live.qmp is not None
+        with contextlib.suppress(FeosError):
+            await live.qmp.execute("quit")
+        with trio.move_on_after(10) as scope:
+            await self._reap(vm.id, live)
+        if scope.cancelled_caught:
+            await self._kill(vm.id)
+        await trio.to_thread.run_sync(punch_zeros, snap / SNAPSHOT_FILE)
+
+    async def late_snapshot_done(self, vm: VmHandle) -> None:
+        """The late snapshot ended: run the VM again and discard the snapshot and the marker."""
+        live = self._need(vm)
+        assert live.qmp is not None
+        with contextlib.suppress(FeosError):
+            await _migrated(live.qmp)
+        await live.qmp.execute("cont")
+        await trio.to_thread.run_sync(_discard_snapshot, vm.directory)
+
+    async def resume(self, vm: VmHandle, *, within: float) -> None:
+        memory = vm.directory / "snapshot" / SNAPSHOT_FILE
+        if not memory.exists():
+            raise FeosError(Code.FAILED_PRECONDITION, f"microVM {vm.id} has no snapshot")
+        argv = [*json.loads((vm.directory / "config").read_text()), "-S", "-incoming", "fd:3"]
+        await self._spawn(vm, argv, memory, within)
+        live = self._live[vm.id]
+        assert live.qmp is not None
+        with trio.fail_after(within):
+            status = await _incoming_done(live.qmp)
+        if status != "completed":
+            await self._kill(vm.id)
+            raise FeosError(Code.INTERNAL, f"QEMU could not load the snapshot: {status}")
+        await live.qmp.execute("cont")
+        await trio.to_thread.run_sync(_discard_snapshot, vm.directory)
+
+    # -- delete and adopt -----------------------------------------------------------------
+
+    async def delete(self, vm: VmHandle) -> None:
+        await self._kill(vm.id)
+        if vm.id not in self._live:
+            pid = _pid_of(vm.directory)
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self._live.pop(vm.id, None)
+        await trio.to_thread.run_sync(shutil.rmtree, vm.directory, True)
+
+    async def adopt(self, vm: VmHandle) -> Adopted:
+        d = vm.directory
+        pid = _pid_of(d)
+        alive = pid is not None and _is_ours(pid, d)
+        if not alive:
+            return await self._adopt_gone(vm)
+        assert pid is not None
+        live = _Live(pid, os.pidfd_open(pid))
+        self._live[vm.id] = live
+        try:
+            live.qmp = await connect_qmp(str(d / "qmp.sock"), within=QMP_WITHIN_S)
+            status = (await live.qmp.execute("query-status"))["status"]
+            migration = (await live.qmp.execute("query-migrate")).get("status")
+        except FeosError as exc:
+            await self._kill(vm.id)
+            return Adopted(VmState.CRASHED, f"QEMU did not answer after feosd's restart: {exc}")
+        return await self._adopt_alive(vm, live, status, migration)
+
+    async def _adopt_alive(self, vm: VmHandle, live: _Live, status: str,
+                           migration: str | None) -> Adopted:  # fmt: skip
+        """Decide by QEMU's run state: an outgoing migration leaves it "postmigrate", an
+        incoming one (with -S) "paused", one still loading "inmigrate"."""
+        d = vm.directory
+        snapshot = (d / "snapshot" / SNAPSHOT_FILE).exists()
+        if self.late_snapshot(vm) or (migration == "active" and status != "inmigrate"):
+            return Adopted(VmState.BUSY, "QEMU still writes a late snapshot", live.pid)
+        if status == "inmigrate":  # a resume cut off: the snapshot is still whole
+            await self._kill(vm.id)
+            return Adopted(VmState.SUSPENDED if snapshot else VmState.CRASHED,
+                           "a resume was cut off by feosd's restart")  # fmt: skip
+        if status == "postmigrate" and migration == "completed":
+            await self._finish_suspend(vm, live)  # feosd ended between the snapshot and quit
+            return Adopted(VmState.SUSPENDED, "the suspend was finished after feosd's restart")
+        assert live.qmp is not None
+        if status in ("paused", "postmigrate", "prelaunch"):
+            await live.qmp.execute("cont")
+        await trio.to_thread.run_sync(_discard_snapshot, d)
+        return Adopted(VmState.RUNNING, "", live.pid)
+
+    async def _adopt_gone(self, vm: VmHandle) -> Adopted:
+        d = vm.directory
+        if (d / "snapshot" / SNAPSHOT_FILE).exists():
+            return Adopted(VmState.SUSPENDED)
+        late = self.late_snapshot(vm)
+        await trio.to_thread.run_sync(_discard_snapshot, d)
+        if late:
+            return Adopted(VmState.CRASHED, "QEMU ended while it wrote a late snapshot")
+        return Adopted(VmState.CRASHED, "QEMU ended while feosd was away")
+
+
+# -- blocking helpers (worker threads) -----------------------------------------------------
+
+
+def _spawn(argv: list[str], d: Path, incoming: Path | None) -> int:
+    """QEMU in a session of its own, its console on console.in and serial.log."""
+    opened: list[int] = []
+    try:
+        stdin = os.open(d / "console.in", os.O_RDWR | os.O_CLOEXEC)  # RDWR: never blocks
+        opened.append(stdin)
+        stdout = os.open(d / "serial.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                         0o600)  # fmt: skip
+        opened.append(stdout)
+        stderr = os.open(d / "vmm.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                         0o600)  # fmt: skip
+        opened.append(stderr)
+        actions = [(os.POSIX_SPAWN_DUP2, stdin, 0), (os.POSIX_SPAWN_DUP2, stdout, 1),
+                   (os.POSIX_SPAWN_DUP2, stderr, 2)]  # fmt: skip
+        if incoming is not None:
+            fd = os.open(incoming, os.O_RDONLY | os.O_CLOEXEC)
+            opened.append(fd)
+            actions.append((os.POSIX_SPAWN_DUP2, fd, 3))
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        return os.posix_spawn(argv[0], argv, env, file_actions=actions, setsid=True)
+    finally:
+        for fd in opened:
+            os.close(fd)
+
+
+def _waitid(pidfd: int) -> tuple[int | None, int | None]:
+    """(exit code, signal) of an ended child; (None, None) for a process not ours to reap."""
+    try:
+        info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+    except ChildProcessError:
+        return None, None
+    if info is None:
+        return None, None
+    if info.si_code == os.CLD_EXITED:
+        return info.si_status, None
+    return None, info.si_status
+
+
+def _exited(pidfd: int) -> bool:
+    import select
+
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _pid_of(d: Path) -> int | None:
+    try:
+        return int((d / "qemu.pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_ours(pid: int, d: Path) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    state = stat.rpartition(")")[2].split()[0]
+    return state not in ("Z", "X") and cmdline_names(cmdline, d)
+
+
+def _link(src: Path, dst: Path, *, hard: bool) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        dst.unlink()
+    if hard:
+        try:
+            os.link(src, dst)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+                raise
+    dst.symlink_to(src)
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    tmp.replace(path)
+
+
+def _fsync_rename(src: Path, dst: Path) -> None:
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    src.replace(dst)
+
+
+def _discard_snapshot(d: Path) -> None:
+    for name in (f"{SNAPSHOT_FILE}.part", SNAPSHOT_FILE):
+        with contextlib.suppress(FileNotFoundError):
+            (d / "snapshot" / name).unlink()
+    with contextlib.suppress(FileNotFoundError):
+        (d / LATE_MARKER).unlink()
+
+
+def _tail(path: Path, n: int = 400) -> str:
+    try:
+        return path.read_bytes()[-n:].decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+_BLOCK = 4096
+_CHUNK = 1 << 20
+_ZERO_CHUNK = bytes(_CHUNK)
+_ZERO_BLOCK = bytes(_BLOCK)
+
+
+def zero_runs(data: bytes, base: int = 0) -> list[tuple[int, int]]:
+    """The (offset, length) runs of whole 4 KiB blocks of zeroes in `data` (at file offset base)."""
+    runs: list[tuple[int, int]] = []
+    view = memoryview(data)
+    start = None
+    for off in range(0, len(data) - _BLOCK + 1, _BLOCK):
+        if view[off : off + _BLOCK] == _ZERO_BLOCK:
+            start = off if start is None else start
+        elif start is not None:
+            runs.append((base + start, off - start))
+            start = None
+    if start is not None:
+        end = len(data) - len(data) % _BLOCK
+        runs.append((base + start, end - start))
+    return runs
+
+
+def punch_zeros(path: Path) -> int:
+    """Punch holes over the file's 4 KiB blocks of zeroes; returns the bytes punched.
+
+    QEMU's migration stream already skips zero pages; what it writes of zeroes (a page that
+    became zero while being sent, padding) is punched here as the spec's memory file is.
+    """
+    punched = 0
+    fd = os.open(path, os.O_RDWR)
+    try:
+        offset = 0
+        while chunk := os.pread(fd, _CHUNK, offset):
+            if chunk == _ZERO_CHUNK:
+                runs = [(offset, _CHUNK)]
+            elif chunk.count(0) >= _BLOCK:
+                runs = zero_runs(chunk, offset)
+            else:
+                runs = []
+            for start, length in runs:
+                _punch(fd, start, length)
+                punched += length
+            offset += len(chunk)
+    finally:
+        os.close(fd)
+    return punched
+
+
+def _punch(fd: int, offset: int, length: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 1, 2
+    rc = libc.fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE,
+                        ctypes.c_long(offset), ctypes.c_long(length))  # fmt: skip
+    if rc != 0:
+        err = ctypes.get_errno()
+        if err != errno.EOPNOTSUPP:
+            raise OSError(err, os.strerror(err))
+
+
+async def _migrated(qmp: Qmp) -> str:
+    """Poll query-migrate until the outgoing migration ends; its status."""
+    while True:
+        status = (await qmp.execute("query-migrate")).get("status", "none")
+        if status in ("completed", "failed", "cancelled"):
+            if status != "completed":
+                raise FeosError(Code.INTERNAL, f"QEMU's snapshot {status}")
+            return str(status)
+        await trio.sleep(0.005)
+
+
+async def _incoming_done(qmp: Qmp) -> str:
+    """Poll until an incoming migration has loaded (the VM waits, paused by -S)."""
+    while True:
+        status = (await qmp.execute("query-status"))["status"]
+        if status != "inmigrate":
+            migration = (await qmp.execute("query-migrate")).get("status", "none")
+            return "completed" if migration == "completed" else f"{status}/{migration}"
+        await trio.sleep(0.005)
