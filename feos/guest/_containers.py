@@ -1,0 +1,312 @@
+"""Containers run by crun from bundles the agent makes, named by the node, kept on /data.
+
+<data>/containers/<name>/state.json   the record: config (token-free), image, status, times
+<data>/containers/<name>/bundle/       config.json and rootfs/ (the image's layers unpacked)
+<data>/containers/<name>/stdout.log, stderr.log
+
+A start runs `crun run` as the agent's child, which lives as long as the container and ends with
+its exit code. An agent that starts finds its records: a container recorded running whose crun
+still runs (the agent restarted, not the guest) is watched by a pidfd; one whose crun is gone
+(the guest rebooted) is stopped, exit code -1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import time
+from typing import Any
+
+from feos.errors import Code, FeosError
+
+from . import _oci, _proc, _validate
+from ._images import ImageStore, write_whole
+from ._registry import PullToken
+
+CREATED, RUNNING, STOPPED = "created", "running", "stopped"
+STOP_TIMEOUT = 10.0
+
+
+def _now() -> int:
+    return time.time_ns()
+
+
+class Saves:
+    """While /data is frozen, a record's write would block the agent: they wait for the thaw."""
+
+    def __init__(self) -> None:
+        self.frozen = False
+        self.dirty: dict[str, Container] = {}
+
+    def thawed(self) -> None:
+        self.frozen = False
+        for c in list(self.dirty.values()):
+            if os.path.isdir(c.dir):
+                c.save()
+        self.dirty.clear()
+
+
+class Container:
+    def __init__(self, directory: str, record: dict[str, Any], saves: Saves) -> None:
+        self.saves = saves
+        self.dir = directory
+        self.record = record
+        self.lock = asyncio.Lock()
+        self.child: _proc.Child | None = None
+        self.ended = asyncio.Event()
+        self.watcher: asyncio.Future[None] | None = None
+
+    @property
+    def name(self) -> str:
+        return str(self.record["config"]["name"])
+
+    @property
+    def status(self) -> str:
+        return str(self.record["status"])
+
+    def save(self) -> None:
+        if self.saves.frozen:
+            self.saves.dirty[self.dir] = self
+            return
+        write_whole(os.path.join(self.dir, "state.json"), json.dumps(self.record).encode())
+
+    def log(self, which: str) -> str:
+        return os.path.join(self.dir, f"{which}.log")
+
+
+class Containers:
+    def __init__(
+        self, data_dir: str, volumes_dir: str, resolv_conf: str, crun_root: str,
+        images: ImageStore, reaper: _proc.Reaper,
+    ) -> None:  # fmt: skip
+        self.root = os.path.join(data_dir, "containers")
+        self.volumes_dir = volumes_dir
+        self.resolv_conf = resolv_conf
+        self.crun = ["crun", "--root", crun_root]
+        self.images = images
+        self.reaper = reaper
+        self._all: dict[str, Container] = {}
+        self.saves = Saves()
+
+    # The records --------------------------------------------------------------------------
+
+    async def load(self) -> None:
+        """Takes the records on /data up; runs once, when the agent starts."""
+        os.makedirs(self.root, exist_ok=True)
+        for entry in sorted(os.listdir(self.root)):
+            path = os.path.join(self.root, entry)
+            if entry.endswith(".creating") or entry.endswith(".deleting"):
+                shutil.rmtree(path, ignore_errors=True)  # a create or delete cut off
+                continue
+            try:
+                with open(os.path.join(path, "state.json"), "rb") as f:  # noqa: ASYNC230
+                    c = Container(path, json.load(f), self.saves)
+            except (OSError, ValueError) as e:
+                print(f"feos-guest: container {entry}: unreadable record: {e}", flush=True)
+                continue
+            self._all[c.name] = c
+            if c.status == RUNNING:
+                await self._adopt(c)
+
+    async def _adopt(self, c: Container) -> None:
+        pid = int(c.record.get("pid") or 0)
+        code, out, _ = await _proc.run(self.reaper, [*self.crun, "state", c.name])
+        running = code == 0 and json.loads(out or "{}").get("status") == "running"
+        if running and pid:
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                running = False
+            else:
+                asyncio.get_running_loop().add_reader(fd, self._adopted_ended, c, fd)
+                return
+        await _proc.run(self.reaper, [*self.crun, "delete", "-f", c.name])
+        self._finish(c, -1)
+
+    def _adopted_ended(self, c: Container, fd: int) -> None:
+        asyncio.get_running_loop().remove_reader(fd)
+        os.close(fd)
+        self._finish(c, -1)
+
+    def _finish(self, c: Container, code: int) -> None:
+        c.record.update(status=STOPPED, exitCode=code, finishedNs=_now(), pid=0)
+        c.child = None
+        c.save()
+        c.ended.set()
+
+    def get(self, name: str) -> Container:
+        _validate.container_name("name", name)
+        c = self._all.get(name)
+        if c is None:
+            raise FeosError(Code.NOT_FOUND, f"no container {name}")
+        return c
+
+    def list(self) -> list[Container]:
+        return [self._all[n] for n in sorted(self._all)]
+
+    # Lifecycle ----------------------------------------------------------------------------
+
+    async def create(self, config: dict[str, Any], token: PullToken | None) -> Container:
+        name = config["name"]
+        found = self._all.get(name)
+        if found is not None:
+            if found.record["config"] != config:
+                raise FeosError(Code.ALREADY_EXISTS, f"container {name} exists with another config")
+            return found
+        binds = self._binds(config)
+        image = await self.images.ensure(config["image"], token)
+        if name in self._all:  # made by another create while this one pulled
+            return await self.create(config, None)
+        final = os.path.join(self.root, name)
+        work = final + ".creating"
+        shutil.rmtree(work, ignore_errors=True)
+        record = {"config": config, "imageDigest": image.digest, "status": CREATED, "pid": 0,
+                  "exitCode": 0, "createdNs": _now(), "startedNs": 0, "finishedNs": 0}  # fmt: skip
+        self._all[name] = c = Container(final, record, self.saves)
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                None, self._make_bundle, work, image, config, binds, record
+            )
+            os.rename(work, final)
+        except BaseException:
+            del self._all[name]
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        return c
+
+    def _binds(self, config: dict[str, Any]) -> list[tuple[str, str, bool]]:
+        binds = []
+        for m in config["volumeMounts"]:
+            source = os.path.join(self.volumes_dir, m["name"])
+            if not os.path.ismount(source):
+                raise FeosError(Code.FAILED_PRECONDITION, f"volume {m['name']} is not mounted")
+            binds.append((source, m["path"], m["readOnly"]))
+        return binds
+
+    def _make_bundle(self, work: str, image: Any, config: dict[str, Any], binds: list[Any],
+                     record: dict[str, Any]) -> None:  # fmt: skip
+        rootfs = os.path.join(work, "bundle", "rootfs")
+        os.makedirs(rootfs)
+        self.images.unpack(image, rootfs)
+        ic = image.config
+        try:
+            uid, gid = _oci.user_ids(str(ic.get("User") or ""), _read(rootfs, "etc/passwd"),
+                                     _read(rootfs, "etc/group"))  # fmt: skip
+        except ValueError as e:
+            raise FeosError(Code.FAILED_PRECONDITION, f"image {config['image']}: {e}") from None
+        for _, dest, _ in binds:
+            os.makedirs(os.path.join(rootfs, dest.lstrip("/")), exist_ok=True)
+        spec = _oci.config(
+            hostname=config["name"], args=_oci.process_args(config["command"], ic),
+            env=_oci.merge_env(list(ic.get("Env") or []), config["env"]),
+            cwd=config["workingDir"] or str(ic.get("WorkingDir") or "/"), uid=uid, gid=gid,
+            resolv_conf=self.resolv_conf, binds=binds,
+        )  # fmt: skip
+        write_whole(os.path.join(work, "bundle", "config.json"), json.dumps(spec).encode())
+        write_whole(os.path.join(work, "state.json"), json.dumps(record).encode())
+
+    async def start(self, name: str) -> Container:
+        c = self.get(name)
+        async with c.lock:
+            if c.status == RUNNING:
+                return c
+            await _proc.run(self.reaper, [*self.crun, "delete", "-f", name])  # a stale state
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+            out, err = (
+                os.open(c.log("stdout"), flags, 0o640),
+                os.open(c.log("stderr"), flags, 0o640),
+            )
+            try:
+                bundle = os.path.join(c.dir, "bundle")
+                child = self.reaper.spawn([*self.crun, "run", "--bundle", bundle, name],
+                                          stdout=out, stderr=err, setsid=True)  # fmt: skip
+            finally:
+                os.close(out)
+                os.close(err)
+            c.child, c.ended = child, asyncio.Event()
+            c.record.update(
+                status=RUNNING, pid=child.pid, startedNs=_now(), finishedNs=0, exitCode=0
+            )
+            c.save()
+            c.watcher = asyncio.ensure_future(self._watch(c, child))
+            return c
+
+    async def _watch(self, c: Container, child: _proc.Child) -> None:
+        code = await child.exited
+        if c.child is child:
+            self._finish(c, code)
+            await _proc.run(self.reaper, [*self.crun, "delete", "-f", c.name])
+
+    async def stop(self, name: str, sig: int, timeout: float) -> Container:  # noqa: ASYNC109
+        c = self.get(name)
+        async with c.lock:
+            await self._stop(c, sig, timeout)
+            return c
+
+    async def _stop(self, c: Container, sig: int, timeout: float) -> None:  # noqa: ASYNC109
+        if c.status != RUNNING:
+            return
+        for s in (sig, signal.SIGKILL):
+            await _proc.run(self.reaper, [*self.crun, "kill", c.name, str(s)])
+            try:
+                await asyncio.wait_for(c.ended.wait(), timeout)
+                return
+            except TimeoutError:
+                timeout = 5.0
+        if c.child is not None:  # crun did not pass the kill on: end crun itself
+            c.child.signal(signal.SIGKILL)
+            await c.ended.wait()
+
+    async def delete(self, name: str) -> None:
+        c = self.get(name)
+        async with c.lock:
+            await self._stop(c, signal.SIGKILL, 5.0)
+            gone = c.dir + ".deleting"
+            os.rename(c.dir, gone)
+            del self._all[name]
+            await asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, gone, True)
+
+    async def stop_all(self, timeout: float) -> None:  # noqa: ASYNC109
+        await asyncio.gather(*(self.stop(c.name, signal.SIGTERM, timeout) for c in self.list()),
+                             return_exceptions=True)  # fmt: skip
+
+    def exec(
+        self, name: str, argv: list[str], env: list[str], stdin: bool
+    ) -> tuple[_proc.Child, int | None, int, int]:
+        """A process in the running container: (child, its stdin's write end, stdout, stderr)."""
+        c = self.get(name)
+        if c.status != RUNNING:
+            raise FeosError(
+                Code.FAILED_PRECONDITION, f"container {name} is {c.status}, not running"
+            )
+        cmd = [*self.crun, "exec"] + [f"--env={e}" for e in env] + [name, *argv]
+        in_r, in_w = os.pipe2(os.O_CLOEXEC) if stdin else (None, None)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            child = self.reaper.spawn(cmd, stdin=in_r, stdout=out_w, stderr=err_w)
+        finally:
+            for fd in (in_r, out_w, err_w):
+                if fd is not None:
+                    os.close(fd)
+        return child, in_w, out_r, err_r
+
+
+def _read(rootfs: str, rel: str) -> str:
+    try:
+        with open(os.path.join(rootfs, rel), encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def state_dict(c: Container) -> dict[str, Any]:
+    r = c.record
+    return {"name": c.name, "image": r["config"]["image"], "imageDigest": r.get("imageDigest", ""),
+            "status": r["status"], "pid": int(r.get("pid") or 0),
+            "exitCode": int(r.get("exitCode", 0)),
+            "createdNs": int(r.get("createdNs", 0)), "startedNs": int(r.get("startedNs", 0)),
+            "finishedNs": int(r.get("finishedNs", 0))}  # fmt: skip

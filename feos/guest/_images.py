@@ -1,0 +1,137 @@
+"""The image store on /data: blobs by digest, one record per pulled reference, layer unpacking.
+
+<data>/images/blobs/sha256/<hex>   manifests' configs and layers, verified when they arrive
+<data>/images/refs/<sha256 of key>.json   {"reference", "key", "digest", "config", "layers"}
+
+A pull of a reference that is already pulling joins that pull (its token unused). Records are
+written whole (write, fsync, rename), so a pull cut off leaves no record of a half image.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from typing import Any
+
+from feos.errors import Code, FeosError
+
+from . import _registry, _validate
+from ._registry import PullToken
+
+LAYER_TYPES = {
+    "application/vnd.oci.image.layer.v1.tar": "",
+    "application/vnd.oci.image.layer.v1.tar+gzip": "gz",
+    "application/vnd.docker.image.rootfs.diff.tar.gzip": "gz",
+    "application/vnd.docker.image.rootfs.diff.tar": "",
+}
+
+
+def write_whole(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Image:
+    """A pulled image: its manifest digest, its config's runtime part, its layers in order."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        self.reference: str = record["reference"]
+        self.digest: str = record["digest"]
+        self.config: dict[str, Any] = record.get("config") or {}
+        self.layers: list[tuple[str, str]] = [(d, c) for d, c in record["layers"]]
+
+
+class ImageStore:
+    def __init__(self, data_dir: str) -> None:
+        self.root = os.path.join(data_dir, "images")
+        self.blobs = os.path.join(self.root, "blobs", "sha256")
+        self.refs = os.path.join(self.root, "refs")
+        self._pulls: dict[str, asyncio.Future[Image]] = {}
+
+    def _ensure_dirs(self) -> None:
+        os.makedirs(self.blobs, exist_ok=True)
+        os.makedirs(self.refs, exist_ok=True)
+
+    def blob_path(self, digest: str) -> str:
+        algo, _, hexd = digest.partition(":")
+        if algo != "sha256" or len(hexd) != 64 or not all(c in "0123456789abcdef" for c in hexd):
+            raise FeosError(Code.FAILED_PRECONDITION, f"unsupported digest {digest!r}")
+        return os.path.join(self.blobs, hexd)
+
+    def _ref_path(self, ref: _validate.Reference) -> str:
+        return os.path.join(self.refs, hashlib.sha256(ref.key.encode()).hexdigest() + ".json")
+
+    def find(self, ref: _validate.Reference) -> Image | None:
+        try:
+            with open(self._ref_path(ref), "rb") as f:
+                return Image(json.load(f))
+        except FileNotFoundError:
+            return None
+
+    async def pull(self, text: str, token: PullToken | None) -> tuple[Image, bool]:
+        """Pulls text into the store: (the image, whether it joined a pull in flight)."""
+        ref = _validate.reference("reference", text)
+        running = self._pulls.get(ref.key)
+        if running is not None:
+            return await asyncio.shield(running), True
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Image] = loop.create_future()
+        self._pulls[ref.key] = fut
+        try:
+            image = await loop.run_in_executor(None, self._pull, text, ref, token)
+            fut.set_result(image)
+            return image, False
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()  # retrieved: no "never retrieved" warning when nobody joined
+            raise
+        finally:
+            del self._pulls[ref.key]
+
+    async def ensure(self, text: str, token: PullToken | None) -> Image:
+        """The image from the store, pulled first if the store lacks it."""
+        ref = _validate.reference("image", text)
+        return self.find(ref) or (await self.pull(text, token))[0]
+
+    def _pull(self, text: str, ref: _validate.Reference, token: PullToken | None) -> Image:
+        self._ensure_dirs()
+        client = _registry.Client(ref, token)
+        digest, manifest = client.manifest()
+        config_digest = str(manifest["config"].get("digest", ""))
+        self._fetch(client, config_digest)
+        with open(self.blob_path(config_digest), "rb") as f:
+            config = json.load(f).get("config") or {}
+        layers = []
+        for layer in manifest["layers"]:
+            media = str(layer.get("mediaType", ""))
+            if media not in LAYER_TYPES:
+                raise FeosError(Code.UNIMPLEMENTED, f"{ref.key}: layers of type {media!r}")
+            self._fetch(client, str(layer.get("digest", "")))
+            layers.append((layer["digest"], LAYER_TYPES[media]))
+        record = {
+            "reference": text,
+            "key": ref.key,
+            "digest": digest,
+            "config": config,
+            "layers": layers,
+        }
+        write_whole(self._ref_path(ref), json.dumps(record).encode())
+        return Image(record)
+
+    def _fetch(self, client: _registry.Client, digest: str) -> None:
+        path = self.blob_path(digest)
+        if not os.path.exists(path):
+            client.blob(digest, path)
+
+    def unpack(self, image: Image, dest: str) -> None:
+        """Extracts the image's layers into dest in order, applying their whiteouts (blocking)."""
+        from . import _unpack  # tarfile and gzip, only when a container is made
+
+        for digest, compression in image.layers:
+            _unpack.apply_layer(self.blob_path(digest), compression, dest)

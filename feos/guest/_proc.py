@@ -1,0 +1,188 @@
+"""Child processes of the agent: spawned with posix_spawn, reaped by one SIGCHLD handler.
+
+As PID 1 the agent reaps every orphan (waitpid(-1)); outside (tests on the host) it waits only
+for its own children, so that it takes no other's exit status. No child is ever waited for by
+anything but the Reaper, which is why nothing here uses subprocess.Popen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+
+class Child:
+    """A spawned process: its pid, its exit (the shell's code: 128 + signal when killed)."""
+
+    def __init__(self, pid: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.pid = pid
+        self.exited: asyncio.Future[int] = loop.create_future()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.exited.result() if self.exited.done() else None
+
+    def signal(self, sig: int) -> None:
+        if not self.exited.done():
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def exit_code(status: int) -> int:
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+class Reaper:
+    def __init__(self, *, all_orphans: bool) -> None:
+        self.all_orphans = all_orphans
+        self._children: dict[int, Child] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def install(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_signal_handler(signal.SIGCHLD, self.reap)
+
+    def uninstall(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_signal_handler(signal.SIGCHLD)
+
+    def spawn(
+        self,
+        argv: list[str],
+        *,
+        stdin: int | None = None,
+        stdout: int | None = None,
+        stderr: int | None = None,
+        env: dict[str, str] | None = None,
+        setsid: bool = False,
+    ) -> Child:
+        """Starts argv[0] from PATH with the given fds as its 0, 1, 2 (None: /dev/null)."""
+        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            actions = [
+                (os.POSIX_SPAWN_DUP2, null if fd is None else fd, target)
+                for target, fd in enumerate((stdin, stdout, stderr))
+            ]
+            pid = os.posix_spawnp(
+                argv[0],
+                argv,
+                env if env is not None else _default_env(),
+                file_actions=actions,
+                setsid=setsid,
+                setsigdef=(signal.SIGCHLD, signal.SIGPIPE, signal.SIGINT, signal.SIGTERM),
+            )
+        finally:
+            os.close(null)
+        child = Child(pid, asyncio.get_running_loop())
+        self._children[pid] = child
+        self.reap()  # it may have ended already, before it was known
+        return child
+
+    def reap(self) -> None:
+        if self.all_orphans:
+            self._reap_any()
+        else:
+            for pid in list(self._children):
+                try:
+                    got, status = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    got, status = pid, 0
+                if got:
+                    self._done(got, status)
+
+    def _reap_any(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if not pid:
+                return
+            self._done(pid, status)
+
+    def _done(self, pid: int, status: int) -> None:
+        child = self._children.pop(pid, None)
+        if child is not None and not child.exited.done():
+            child.exited.set_result(exit_code(status))
+
+
+def _default_env() -> dict[str, str]:
+    return {
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "LANG": "C.UTF-8",
+    }
+
+
+async def read_fd(fd: int, limit: int = 1 << 20) -> bytes:
+    """Everything a pipe gives until its end (at most limit bytes kept), then closes it."""
+    loop = asyncio.get_running_loop()
+    os.set_blocking(fd, False)
+    out = bytearray()
+    try:
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                ready: asyncio.Future[None] = loop.create_future()
+                loop.add_reader(fd, _set, ready)
+                try:
+                    await ready
+                finally:
+                    loop.remove_reader(fd)
+                continue
+            if not chunk:
+                return bytes(out)
+            if len(out) < limit:
+                out += chunk[: limit - len(out)]
+    finally:
+        os.close(fd)
+
+
+def _set(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class Failed(Exception):
+    pass
+
+
+async def run(
+    reaper: Reaper, argv: list[str], *, input: bytes | None = None
+) -> tuple[int, str, str]:
+    """Runs a command to its end: (exit code, stdout, stderr)."""
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    in_r = in_w = None
+    if input is not None:
+        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        child = reaper.spawn(argv, stdin=in_r, stdout=out_w, stderr=err_w)
+    finally:
+        for fd in (out_w, err_w, in_r):
+            if fd is not None:
+                os.close(fd)
+    if in_w is not None:
+        await asyncio.get_running_loop().run_in_executor(None, _write_all, in_w, input or b"")
+    out, err, code = await asyncio.gather(read_fd(out_r), read_fd(err_r), child.exited)
+    return code, out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+async def check(reaper: Reaper, argv: list[str]) -> str:
+    """Runs a command; one that fails raises Failed naming it and its stderr."""
+    code, out, err = await run(reaper, argv)
+    if code:
+        raise Failed(f"{' '.join(argv)} failed ({code}): {err.strip() or out.strip()}")
+    return out
