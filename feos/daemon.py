@@ -29,6 +29,7 @@ from ._lock import take_lock
 from ._sdnotify import notify
 from .net._stores import NameTableService, SecurityGroupService
 from .pods._volumes import VolumeService
+from ._codec import snake
 from .rpc import CapnpThread, capnp_thread
 from .rpc._server import Cap, listen
 from .rpc._server import serve as serve_interface
@@ -213,7 +214,7 @@ class Daemon:
             async def get(params: dict[str, Any], cap: Cap = cap) -> dict[str, Any]:
                 return {"service": cap}
 
-            setattr(root, name, get)
+            setattr(root, snake(name), get)
         return lambda: serve_interface(api.Feos, root, bridge)
 
     def load(self) -> None:

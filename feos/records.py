@@ -137,8 +137,8 @@ class RecordDir:
         for path in sorted(self.directory.glob(f"*{SUFFIX}")):
             record_id = path.name[: -len(SUFFIX)]
             try:
-                with self.struct.from_bytes_packed(path.read_bytes()) as message:
-                    found[record_id] = message.to_dict()
+                message = self.struct.from_bytes_packed(path.read_bytes())
+                found[record_id] = message.to_dict()
             except Exception as exc:  # any parse failure: the record is unreadable
                 aside = path.with_name(f"{path.name}.broken-{int(time.time())}")
                 log.error("record %s is unreadable (%s): moved aside to %s", path, exc, aside.name)

@@ -8,3 +8,26 @@ import pytest
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture
+def feosd_factory(tmp_path):  # type: ignore[no-untyped-def]
+    """Make feosd processes under tmp_path; each is killed when the test ends."""
+    from feosd_proc import Feosd
+
+    made: list[Feosd] = []
+
+    def make(*args: str, root: str = "node", env: dict[str, str] | None = None) -> Feosd:
+        daemon = Feosd(tmp_path / root, *args, env=env)
+        made.append(daemon)
+        return daemon
+
+    yield make
+    for daemon in made:
+        daemon.kill()
+
+
+@pytest.fixture
+def feosd(feosd_factory):  # type: ignore[no-untyped-def]
+    """One feosd serving in temporary directories."""
+    return feosd_factory().start()
