@@ -41,6 +41,8 @@ class Options:
         self.run_dir = "/run/feos-guest"
         self.crun_root = "/run/crun"
         self.drives: dict[int, str] = {}
+        self.sys_block = "/sys/block"  # tests point these at directories of their own
+        self.sys_net = "/sys/class/net"
         self.pid1 = os.getpid() == 1
 
 
@@ -159,7 +161,7 @@ class Agent:
     # What GuestServer asks for -------------------------------------------------------------
 
     async def configure_network(self, cfg: dict[str, Any]) -> None:
-        dev = _system.find_device(cfg["mac"])
+        dev = _system.find_device(cfg["mac"], self.opts.sys_net)
         cmds = _system.network_commands(dev, cfg["ipv6"], cfg["ula"], cfg["ipv4"], cfg["mtu"])
         await _system.run_steps(self.reaper, cmds)
         _system.write_in_place(self.resolv_conf, _system.resolv_conf(cfg["resolvers"]))
@@ -169,7 +171,9 @@ class Agent:
         outcomes = []
         for vol in vols:
             try:
-                device = self.opts.drives.get(vol["drive"]) or _system.drive_path(vol["drive"])
+                device = self.opts.drives.get(vol["drive"]) or _system.drive_path(
+                    vol["drive"], self.opts.sys_block
+                )
                 await _system.mount_volume(self.reaper, self.opts.volumes_dir, vol, device)
                 outcomes.append((vol["name"], ""))
             except FeosError as e:

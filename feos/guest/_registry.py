@@ -143,8 +143,11 @@ class Client:
         resp, conn = self._request(self.host, path, accept, self._auth())
         if resp.status == 401 and self.token is None and self._anonymous is None:
             challenge = resp.getheader("WWW-Authenticate") or ""
+            refused = self._refusal(resp)
             conn.close()
             self._anonymous = self._fetch_anonymous(challenge)
+            if not self._anonymous:
+                raise refused
             resp, conn = self._request(self.host, path, accept, self._auth())
         for _ in range(5):  # blobs redirect to storage elsewhere, which gets no token
             if resp.status not in (301, 302, 303, 307, 308):
@@ -218,11 +221,15 @@ class Client:
         fields = dict(_challenge_fields(params))
         if scheme.lower() != "bearer" or "realm" not in fields:
             return ""
-        realm = urllib.parse.urlsplit(fields.pop("realm"))
-        fields.setdefault("scope", f"repository:{self.ref.repository}:pull")
-        query = urllib.parse.urlencode(fields)
+        realm = urllib.parse.urlsplit(fields["realm"])
+        asked = {k: fields[k] for k in ("service", "scope") if k in fields}
+        asked.setdefault("scope", f"repository:{self.ref.repository}:pull")
+        query = urllib.parse.urlencode(asked)
         url = realm._replace(query=(realm.query + "&" if realm.query else "") + query)
-        resp, conn = self._request_url(url, "application/json")
+        try:
+            resp, conn = self._request_url(url, "application/json")
+        except FeosError:
+            return ""
         try:
             if resp.status != 200:
                 return ""

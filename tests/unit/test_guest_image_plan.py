@@ -1,0 +1,127 @@
+"""packaging/guest/_plan.py: the pure decisions of the guest image build."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+_PATH = Path(__file__).resolve().parents[2] / "packaging/guest/_plan.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("feos_guest_plan", _PATH)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+plan = _load()
+
+DEB822 = """\
+Types: deb-src
+URIs: http://src.example/debian
+Suites: bookworm
+Components: main
+
+Types: deb
+# http://snapshot.debian.org/archive/debian/20250520T000000Z
+URIs: http://deb.debian.org/debian
+Suites: bookworm bookworm-updates
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+
+Types: deb
+URIs: http://deb.debian.org/debian-security
+Suites: bookworm-security
+Components: main
+"""
+
+
+def test_mirror_from_deb822_takes_the_binary_stanza_of_the_suite() -> None:
+    assert plan.mirror_from_sources(DEB822) == "http://deb.debian.org/debian"
+    assert plan.mirror_from_sources(DEB822, "bookworm-security") == (
+        "http://deb.debian.org/debian-security"
+    )
+    assert plan.mirror_from_sources(DEB822, "trixie") is None
+
+
+def test_mirror_from_one_line_sources() -> None:
+    text = (
+        "# deb http://old.example/debian bookworm main\n"
+        "deb-src http://src.example/debian bookworm main\n"
+        "deb [arch=amd64 signed-by=/k.gpg] http://mirror.example/debian bookworm main\n"
+        "deb http://other.example/debian bookworm main\n"
+    )
+    assert plan.mirror_from_list(text) == "http://mirror.example/debian"
+    assert plan.mirror_from_list("deb http://m.example/d bookworm-updates main\n") is None
+
+
+def test_candidate_version_and_kernel_package() -> None:
+    policy = "python3:\n  Installed: (none)\n  Candidate: 3.11.2-1+b1\n  Version table:\n"
+    assert plan.candidate_version(policy) == "3.11.2-1+b1"
+    assert plan.candidate_version("x:\n  Installed: (none)\n  Candidate: (none)\n") is None
+    depends = "linux-image-amd64\n  Depends: linux-image-6.1.0-57-amd64\n"
+    assert plan.kernel_package(depends) == "linux-image-6.1.0-57-amd64"
+
+
+def test_module_load_order_keeps_the_first_of_each() -> None:
+    outs = [
+        "insmod /k/virtio_ring.ko \ninsmod /k/virtio.ko \ninsmod /k/virtio_blk.ko \n",
+        "insmod /k/virtio_ring.ko \ninsmod /k/virtio.ko \ninsmod /k/virtio-rng.ko \n",
+        "builtin crc32c\ninsmod /k/ext4.ko opt=1\n",
+    ]
+    assert plan.module_load_order(outs) == [
+        "/k/virtio_ring.ko", "/k/virtio.ko", "/k/virtio_blk.ko", "/k/virtio-rng.ko", "/k/ext4.ko"
+    ]  # fmt: skip
+
+
+def test_initramfs_modules_cover_the_contract() -> None:
+    wanted = {"virtio_mmio", "virtio_blk", "virtio_console", "virtio_rng", "virtio_net",
+              "vmw_vsock_virtio_transport", "erofs", "ext4", "virtio_balloon"}  # fmt: skip
+    assert wanted <= set(plan.INITRAMFS_MODULES)
+
+
+@given(st.dictionaries(st.text(), st.text() | st.integers()))
+def test_version_is_twelve_hex_digits_and_depends_on_the_inputs_alone(inputs: dict) -> None:  # type: ignore[type-arg]
+    version = plan.input_version(inputs)
+    assert len(version) == 12
+    assert int(version, 16) >= 0
+    assert plan.input_version(dict(reversed(list(inputs.items())))) == version
+    assert plan.input_version({**inputs, "\0extra": 1}) != version
+
+
+@given(st.text())
+def test_source_parsers_take_any_text(text: str) -> None:
+    for parse in (plan.mirror_from_sources, plan.mirror_from_list, plan.candidate_version):
+        out = parse(text)
+        assert out is None or isinstance(out, str)
+
+
+def test_newest_version_is_the_greatest_by_build_time_then_version() -> None:
+    manifests = {
+        "aaa": {"built": "2026-12-01T07:00:00+00:00"},
+        "ccc": {"built": "2026-12-01T08:00:00+00:00"},
+        "bbb": {"built": "2026-12-01T08:00:00+00:00"},
+    }
+    assert plan.newest_version(manifests) == "ccc"
+    assert plan.newest_version({}) is None
+
+
+def test_candidate_versions_of_one_policy_call() -> None:
+    policy = (
+        "python3:\n  Installed: (none)\n  Candidate: 3.11.2-1+b1\n  Version table:\n"
+        " *** 3.11.2-1+b1 500\n        500 http://deb.debian.org/debian bookworm/main amd64\n"
+        "busybox-static:\n  Installed: 1:1.35.0-4+deb12u1+b1\n  Candidate: 1:1.35.0-4+deb12u1+b1\n"
+        "nothing:\n  Installed: (none)\n  Candidate: (none)\n"
+    )
+    assert plan.candidate_versions(policy) == {
+        "python3": "3.11.2-1+b1", "busybox-static": "1:1.35.0-4+deb12u1+b1", "nothing": None
+    }  # fmt: skip
