@@ -96,7 +96,9 @@ class QemuDriver:
         qemu: str = "qemu-system-x86_64",
         confine: bool = True,
         tsc_khz: int | None = None,
+        max_bandwidth: int = MAX_BANDWIDTH,
     ) -> None:
+        self._max_bandwidth = max_bandwidth
         self._root = Path(state_dir) / "vms" / "qemu"
         found = shutil.which(qemu)
         self._qemu = found or qemu
@@ -260,6 +262,23 @@ class QemuDriver:
                 signal.pidfd_send_signal(live.pidfd, signal.SIGKILL)
             await self._reap(vm_id, live)
 
+    def pid(self, vm: VmHandle) -> int | None:
+        live = self._live.get(vm.id)
+        return None if live is None or live.ended.is_set() else live.pid
+
+    async def settle(self, vm: VmHandle, *, within: float) -> None:
+        """Until free page reporting stops shrinking QEMU's memory (200 ms without a drop)."""
+        pid = self.pid(vm)
+        if pid is None:
+            return
+        with trio.move_on_after(within):
+            low, since = _rss(pid), trio.current_time()
+            while trio.current_time() - since < 0.2:
+                await trio.sleep(0.05)
+                rss = _rss(pid)
+                if rss < low:
+                    low, since = rss, trio.current_time()
+
     def _need(self, vm: VmHandle) -> _Live:
         live = self._live.get(vm.id)
         if live is None or live.ended.is_set() or live.qmp is None:
@@ -274,7 +293,7 @@ class QemuDriver:
         snap = vm.directory / "snapshot"
         part = snap / f"{SNAPSHOT_FILE}.part"
         await live.qmp.execute("stop")
-        await live.qmp.execute("migrate-set-parameters", {"max-bandwidth": MAX_BANDWIDTH})
+        await live.qmp.execute("migrate-set-parameters", {"max-bandwidth": self._max_bandwidth})
         snap.mkdir(exist_ok=True)
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
@@ -438,6 +457,16 @@ def _exited(pidfd: int) -> bool:
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
     return bool(poller.poll(0))
+
+
+def _rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def _pid_of(d: Path) -> int | None:

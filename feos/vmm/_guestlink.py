@@ -1,0 +1,278 @@
+"""The guest link: the node's side of one microVM's guest, from its creation to its deletion.
+
+Theory of operation. One `GuestLink` per microVM runs in the service's nursery. It dials the
+guest link (QEMU's guest.sock) again and again, backing off while there is no VMM, and at once
+when kicked (a start, a resume). A session is the guest client's (feos.guest.GuestClient, on the
+Cap'n Proto thread, reached through the bridge): the agent's hello, then RPC, then its attach.
+After each attach the link pushes the wall time and, when the pod has an address, its network
+configuration, then says so (`on_attach`); a resume waits for that push and pings once. While a
+session lives the clock loop keeps the guest's clock; when it ends (the VMM ended, the agent
+restarted) the link dials again.
+
+The clock's arithmetic is pure (ADR 0027): four GetTime calls once a minute, the shortest round
+trip kept, dropped above 10 ms; the offset is the guest's time minus the middle of that call on
+the node's CLOCK_REALTIME (positive: the guest is ahead). AdjustTime moves the guest's clock by
+its argument, so it gets the offset negated; a guest that answers UNIMPLEMENTED is stepped with
+SetTime when it is off by more than 20 ms. The samples are taken on the Cap'n Proto thread, so
+that the bridge's hops do not count in the round trip.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from feos.errors import Code, FeosError
+
+log = logging.getLogger("feos.vmm.guest")
+
+SAMPLES = 4
+MAX_ROUND_TRIP_NS = 10_000_000
+SET_TIME_ABOVE_NS = 20_000_000
+CLOCK_INTERVAL_S = 60.0
+CLOCK_CALL_S = 5.0
+PUSH_S = 10.0
+RESUME_PING_S = 30.0
+ATTACH_S = 5.0  # after the hello, the agent's attach
+BACKOFF_MIN_S = 0.02
+BACKOFF_MAX_S = 2.0
+
+
+# -- the clock, pure ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Sample:
+    real_before_ns: int  # the node's CLOCK_REALTIME when the call went out
+    guest_ns: int  # the guest's CLOCK_REALTIME as it answered
+    round_trip_ns: int  # CLOCK_MONOTONIC after minus before
+
+
+@attrs.frozen
+class Measurement:
+    offset_ns: int  # guest minus node
+    round_trip_ns: int
+
+
+def offset_of(sample: Sample) -> int:
+    """The guest's time minus the middle of the call on the node's wall clock."""
+    return sample.guest_ns - (sample.real_before_ns + sample.round_trip_ns // 2)
+
+
+def measure(samples: Sequence[Sample]) -> Measurement | None:
+    """The shortest round trip's offset; None with no sample or when even that took over 10 ms."""
+    good = [s for s in samples if s.round_trip_ns >= 0]
+    if not good:
+        return None
+    best = min(good, key=lambda s: s.round_trip_ns)
+    if best.round_trip_ns > MAX_ROUND_TRIP_NS:
+        return None
+    return Measurement(offset_of(best), best.round_trip_ns)
+
+
+def correction(m: Measurement) -> int:
+    """AdjustTime's argument: the guest's clock moves by it (positive: forward)."""
+    return -m.offset_ns
+
+
+def needs_set_time(m: Measurement) -> bool:
+    """After AdjustTime answered UNIMPLEMENTED: is the guest off enough to be stepped?"""
+    return abs(m.offset_ns) > SET_TIME_ABOVE_NS
+
+
+@attrs.frozen
+class ClockStep:
+    """What one round of the clock loop did, for logs and tests."""
+
+    measurement: Measurement | None
+    action: str  # "dropped", "adjusted", "set", "kept", "failed"
+
+
+# -- the link, on trio ---------------------------------------------------------------------------
+
+Network = Callable[[], Awaitable[Any | None]]  # the pod's NetworkConfig, or None without address
+
+
+async def _samples(client: Any, n: int) -> list[Sample]:
+    """On the Cap'n Proto thread: n GetTime calls, each timed there."""
+    out = []
+    for _ in range(n):
+        real = time.time_ns()
+        mono = time.monotonic_ns()
+        guest_ns = await client.get_time()
+        out.append(Sample(real, guest_ns, time.monotonic_ns() - mono))
+    return out
+
+
+async def _wait_attached(client: Any, within: float) -> Any:
+    import asyncio
+
+    try:
+        async with asyncio.timeout(within):
+            return await asyncio.shield(client.attached)
+    except TimeoutError:
+        raise FeosError(Code.UNAVAILABLE, f"the guest did not attach within {within:g}s") from None
+
+
+async def _wait_ended(client: Any) -> None:
+    await client.ended.wait()
+
+
+class GuestLink:
+    """The node's side of one guest; `run` it in a nursery for the microVM's life."""
+
+    def __init__(
+        self,
+        vm_id: str,
+        path: Path,
+        bridge: Any,
+        *,
+        network: Network | None = None,
+        on_attach: Callable[[Any], None] | None = None,
+        clock_interval: float = CLOCK_INTERVAL_S,
+        connect: Callable[..., Awaitable[Any]] | None = None,
+    ) -> None:
+        self.vm_id = vm_id
+        self._path = path
+        self._bridge = bridge
+        self._network = network
+        self._on_attach = on_attach
+        self._clock_interval = clock_interval
+        self._connect = connect
+        self._client: Any = None
+        self._changed = trio.Event()
+        self._kick = trio.Event()
+        self.attaches = 0  # sessions pushed so far (a resume waits for a new one)
+        self.last_clock: ClockStep | None = None
+
+    @property
+    def client(self) -> Any:
+        return self._client
+
+    def kick(self) -> None:
+        """Dial now: a VMM has just started or resumed."""
+        self._kick.set()
+
+    async def session(self, within: float, *, after: int | None = None) -> Any:
+        """The attached guest's client (its session pushed), within `within` seconds.
+
+        `after`: a session newer than the attach count given (a resumed guest's)."""
+        with trio.move_on_after(within):
+            while self._client is None or (after is not None and self.attaches <= after):
+                await self._changed.wait()
+            return self._client
+        raise FeosError(Code.UNAVAILABLE, f"the guest did not answer within {within:g}s")
+
+    async def call(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        return await self._bridge.call(fn, *args)
+
+    async def after_resume(self, attaches_before: int) -> None:
+        """A resumed guest: wait for its new session (pushed on attach), then ping once."""
+        with trio.fail_after(RESUME_PING_S):
+            client = await self.session(RESUME_PING_S, after=attaches_before)
+            await self.call(client.ping)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        backoff = BACKOFF_MIN_S
+        while True:
+            try:
+                client = await self._dial()
+            except FeosError as exc:
+                log.debug("guest of %s: %s", self.vm_id, exc.message)
+                with trio.move_on_after(backoff):
+                    await self._kick.wait()
+                if self._kick.is_set():
+                    self._kick = trio.Event()
+                    backoff = BACKOFF_MIN_S
+                else:
+                    backoff = min(BACKOFF_MAX_S, backoff * 2)
+                continue
+            backoff = BACKOFF_MIN_S
+            try:
+                await self._serve(client)
+            finally:
+                self._set_client(None)
+                with trio.CancelScope(shield=True), trio.move_on_after(2):
+                    await self.call(client.close)
+
+    async def _dial(self) -> Any:
+        from feos.guest._client import GuestClient
+
+        connect = self._connect or GuestClient.connect
+        client = await self.call(connect, str(self._path))
+        try:
+            attached = await self.call(_wait_attached, client, ATTACH_S)
+        except BaseException:
+            with trio.CancelScope(shield=True), trio.move_on_after(2):
+                await self.call(client.close)
+            raise
+        log.info("guest of %s attached: version %s, boot %s", self.vm_id,
+                 getattr(attached, "version", "?"), getattr(attached, "boot_id", "?"))  # fmt: skip
+        return client
+
+    async def _serve(self, client: Any) -> None:
+        await self._push(client)
+        self.attaches += 1
+        self._set_client(client)
+        if self._on_attach is not None:
+            self._on_attach(client)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._clock_loop, client)
+            await self.call(_wait_ended, client)
+            nursery.cancel_scope.cancel()
+        log.info("guest of %s: the session ended", self.vm_id)
+
+    async def _push(self, client: Any) -> None:
+        """The wall time, and the network configuration when the pod has an address."""
+        try:
+            with trio.fail_after(PUSH_S):
+                await self.call(client.set_time, time.time_ns())
+                config = await self._network() if self._network is not None else None
+                if config is not None:
+                    await self.call(client.configure_network, config)
+        except (FeosError, trio.TooSlowError) as exc:
+            log.warning("guest of %s: pushing time and network failed: %s", self.vm_id, exc)
+
+    def _set_client(self, client: Any) -> None:
+        self._client = client
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _clock_loop(self, client: Any) -> None:
+        while True:
+            await trio.sleep(self._clock_interval)
+            self.last_clock = await self.keep_clock(client)
+
+    async def keep_clock(self, client: Any) -> ClockStep:
+        """One round: measure, then AdjustTime (or SetTime for a guest without it)."""
+        try:
+            with trio.fail_after(CLOCK_CALL_S):
+                m = measure(await self.call(_samples, client, SAMPLES))
+                if m is None:
+                    return ClockStep(None, "dropped")
+                try:
+                    await self.call(client.adjust_time, correction(m))
+                    return ClockStep(m, "adjusted")
+                except FeosError as exc:
+                    if exc.code != Code.UNIMPLEMENTED:
+                        raise
+                if not needs_set_time(m):
+                    return ClockStep(m, "kept")
+                await self.call(client.set_time, time.time_ns() + _half(m))
+                return ClockStep(m, "set")
+        except (FeosError, trio.TooSlowError) as exc:
+            log.debug("guest of %s: the clock's round failed: %s", self.vm_id, exc)
+            return ClockStep(None, "failed")
+
+
+def _half(m: Measurement) -> int:
+    return math.ceil(m.round_trip_ns / 2)

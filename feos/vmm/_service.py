@@ -1,0 +1,608 @@
+"""The microVM service (MicroVms): what the pod service calls to run its pods' microVMs.
+
+Theory of operation. The service owns one nursery (`run`), the records (vms.db, written on a
+worker thread after the driver call that made a change returned), and per microVM a lock, a guest
+link (from creation to deletion) and, while a VMM runs, a watcher that waits for its end. Every
+change runs under the microVM's lock and is checked against one table, `next_state`. Events
+(Stopped, Crashed, Suspended, GuestAttached) go to every subscriber's memory channel once the
+change is recorded.
+
+A suspend past its snapshot's timeout leaves the microVM BUSY: the call fails with the busy
+marker, a task waits for the VMM to finish, runs the VM again and discards the snapshot; until
+then suspends and shutdowns are refused as busy. The VMM processes outlive feosd (a session of
+their own); a service that starts again reads vms.db and takes each microVM over through its
+driver's `adopt`, restarting none.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from feos.errors import Code, FeosError, busy
+
+from ._budget import suspend_budget_mib
+from ._driver import Driver, Exit, VmHandle, VmSpec, VmState
+from ._guestlink import GuestLink
+from ._qemu import QemuDriver
+from ._records import Records, VmRecord, check_id
+
+log = logging.getLogger("feos.vmm")
+
+UID_BASE = 2_000_000  # the microVMs' own users: 2000000, 2000001, ... (one each, kept)
+ATTACH_S = 60.0
+BOOT_S = 30.0
+SHUTDOWN_S = 30.0
+GUEST_CALL_S = 5.0
+PURGE_S = 10.0
+SETTLE_S = 3.0
+
+# -- the state table -------------------------------------------------------------------------
+
+_S = VmState
+_TABLE: dict[tuple[VmState, str], VmState] = {
+    (_S.CREATED, "start"): _S.RUNNING,
+    (_S.STOPPED, "start"): _S.RUNNING,
+    (_S.CRASHED, "start"): _S.RUNNING,
+    (_S.RUNNING, "shutdown"): _S.STOPPED,
+    (_S.RUNNING, "suspend"): _S.SUSPENDED,
+    (_S.RUNNING, "late"): _S.BUSY,
+    (_S.RUNNING, "stopped"): _S.STOPPED,
+    (_S.RUNNING, "crashed"): _S.CRASHED,
+    (_S.SUSPENDED, "resume"): _S.RUNNING,
+    (_S.SUSPENDED, "crashed"): _S.CRASHED,
+    (_S.BUSY, "late-done"): _S.RUNNING,
+    (_S.BUSY, "crashed"): _S.CRASHED,
+}
+_IDEMPOTENT = {
+    ("start", _S.RUNNING), ("shutdown", _S.STOPPED), ("shutdown", _S.CREATED),
+    ("shutdown", _S.CRASHED), ("suspend", _S.SUSPENDED), ("resume", _S.RUNNING),
+}  # fmt: skip
+
+
+def next_state(state: VmState, op: str) -> VmState:
+    """The state `op` leads to from `state`; busy() or FAILED_PRECONDITION where it may not."""
+    found = _TABLE.get((state, op))
+    if found is not None:
+        return found
+    if state is _S.BUSY and op in ("shutdown", "suspend", "start", "resume"):
+        raise busy("QEMU still writes a late snapshot; ask again later")
+    raise FeosError(Code.FAILED_PRECONDITION, f"a microVM that is {state.value} cannot {op}")
+
+
+def is_noop(state: VmState, op: str) -> bool:
+    """A call that finds what it would make (a start of a running VM) answers without acting."""
+    return (op, state) in _IDEMPOTENT
+
+
+# -- values the pod service sees -----------------------------------------------------------
+
+
+@attrs.frozen
+class VmInfo:
+    id: str
+    state: VmState
+    reason: str
+    driver: str
+    accel: str
+    guest_version: str
+    vcpus: int
+    memory_mib: int
+    attached: bool
+
+
+@attrs.frozen
+class Stopped:
+    id: str
+    reason: str
+
+
+@attrs.frozen
+class Crashed:
+    id: str
+    reason: str
+
+
+@attrs.frozen
+class Suspended:
+    id: str
+
+
+@attrs.frozen
+class GuestAttached:
+    id: str
+    boot_id: str
+
+
+VmEvent = Stopped | Crashed | Suspended | GuestAttached
+
+
+def newest_guest(guest_root: Path) -> tuple[str, Path]:
+    """The newest installed guest: the greatest (manifest's build time, version)."""
+    best: tuple[str, str, Path] | None = None
+    for d in guest_root.iterdir() if guest_root.is_dir() else []:
+        try:
+            manifest = json.loads((d / "manifest.json").read_text())
+        except (OSError, ValueError):
+            continue
+        key = (str(manifest.get("built", "")), str(manifest.get("version", d.name)), d)
+        if best is None or key[:2] > best[:2]:
+            best = key
+    if best is None:
+        raise FeosError(Code.FAILED_PRECONDITION, f"no guest is installed in {guest_root}")
+    return best[2].name, best[2]
+
+
+def guest_root() -> Path:
+    return Path(os.environ.get("FEOS_GUEST_DIR", "/usr/lib/feos/guest"))
+
+
+@attrs.define
+class _Vm:
+    record: VmRecord
+    handle: VmHandle
+    lock: trio.Lock = attrs.field(factory=trio.Lock)
+    link: GuestLink | None = None
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)  # the link's and watcher's
+    generation: int = 0
+    suspending: bool = False
+    deleted: bool = False
+    changed: trio.Event = attrs.field(factory=trio.Event)  # set and renewed at every change
+
+    def poke(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+
+class MicroVms:
+    """The microVM service. `await nursery.start(service.run)` opens it and takes VMs over."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        run_dir: Path,
+        bridge: Any,
+        *,
+        driver: Driver | None = None,
+        accel: str | None = None,
+        guest_dir: Path | None = None,
+        attach_timeout: float = ATTACH_S,
+        snapshot_timeout: float | None = None,
+        cgroups: Any | None = None,
+        network: Callable[[str], Awaitable[Any | None]] | None = None,
+        clock_interval: float = 60.0,
+    ) -> None:
+        self.state_dir = Path(state_dir)
+        self.run_dir = Path(run_dir)
+        self._bridge = bridge
+        self._driver: Driver = driver or QemuDriver(self.state_dir)
+        self._accel = accel
+        self._guest_root = guest_dir
+        self._attach_timeout = attach_timeout
+        self._snapshot_timeout = snapshot_timeout
+        self._cgroups = cgroups
+        self._network = network
+        self._clock_interval = clock_interval
+        self._vms: dict[str, _Vm] = {}
+        self._subscribers: list[trio.MemorySendChannel[VmEvent]] = []
+        self._write_lock = trio.Lock()
+        self._records: Records | None = None
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def accel(self) -> str:
+        return self._accel or "tcg"
+
+    # -- running ------------------------------------------------------------------------
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._records = await trio.to_thread.run_sync(Records, self.state_dir / "vms.db")
+        if self._accel is None:
+            self._accel = await _detect_accel()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                for record in await trio.to_thread.run_sync(self._records.all):
+                    await self._take_over(record)
+                task_status.started(self)
+                await trio.sleep_forever()
+        finally:
+            for send in self._subscribers:
+                send.close()
+            records = self._records
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(records.close)
+
+    def subscribe(self, buffer: int = 256) -> trio.MemoryReceiveChannel[VmEvent]:
+        send, recv = trio.open_memory_channel[VmEvent](buffer)
+        self._subscribers.append(send)
+        return recv
+
+    def _emit(self, event: VmEvent) -> None:
+        for send in list(self._subscribers):
+            try:
+                send.send_nowait(event)
+            except trio.WouldBlock:
+                log.warning("a subscriber of microVM events is full; dropped %r", event)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self._subscribers.remove(send)
+
+    # -- the calls --------------------------------------------------------------------
+
+    async def create(self, vm_id: str, spec: VmSpec) -> VmInfo:
+        check_id(vm_id)
+        _check_spec(spec)
+        if vm_id in self._vms:
+            vm = self._vms[vm_id]
+            if vm.record.spec != spec:
+                raise FeosError(Code.ALREADY_EXISTS, f"microVM {vm_id} exists with another spec")
+            return self._info(vm)
+        version, gdir = newest_guest(self._guest_root or guest_root())
+        record = VmRecord(vm_id, self._driver.name, VmState.CREATED, "", version, self.accel,
+                          spec, self._free_uid())  # fmt: skip
+        vm = self._new_vm(record, gdir)
+        async with vm.lock:
+            self._vms[vm_id] = vm
+            try:
+                await self._driver.prepare(vm.handle)
+            except BaseException:
+                del self._vms[vm_id]
+                raise
+            await self._record(vm, VmState.CREATED, "")
+            self._start_link(vm)
+        return self._info(vm)
+
+    async def start(self, vm_id: str, *, wait_attach: bool = True) -> VmInfo:
+        vm = self._get(vm_id)
+        async with vm.lock:
+            if is_noop(vm.record.state, "start"):
+                return self._info(vm)
+            next_state(vm.record.state, "start")
+            await self._boot(vm)
+            if wait_attach:
+                await self._await_attach(vm)
+        return self._info(vm)
+
+    async def _boot(self, vm: _Vm) -> None:
+        await self._driver.start(vm.handle, within=BOOT_S)
+        await self._join_cgroup(vm)
+        await self._record(vm, VmState.RUNNING, "")
+        self._watch(vm)
+        if vm.link is not None:
+            vm.link.kick()
+
+    async def _await_attach(self, vm: _Vm) -> None:
+        assert vm.link is not None
+        try:
+            await vm.link.session(self._attach_timeout)
+        except FeosError:
+            reason = f"the guest did not attach within {self._attach_timeout:g}s"
+            await self._kill(vm)
+            await self._record(vm, VmState.CRASHED, reason)
+            self._emit(Crashed(vm.record.id, reason))
+            raise FeosError(Code.UNAVAILABLE, f"microVM {vm.record.id}: {reason}") from None
+
+    async def _kill(self, vm: _Vm) -> None:
+        kill = getattr(self._driver, "_kill", None)
+        if kill is not None:
+            await kill(vm.record.id)
+
+    async def shutdown(self, vm_id: str, *, grace: float = SHUTDOWN_S) -> VmInfo:
+        vm = self._get(vm_id)
+        self._refuse_late(vm)
+        async with vm.lock:
+            if is_noop(vm.record.state, "shutdown"):
+                return self._info(vm)
+            next_state(vm.record.state, "shutdown")
+            await self._guest_shutdown(vm)
+            exit_ = await self._driver.shutdown(vm.handle, grace=grace)
+            await self._ended(vm, exit_)
+        return self._info(vm)
+
+    async def _guest_shutdown(self, vm: _Vm) -> None:
+        """The agent's Shutdown first (it stops the containers, syncs): ACPI is the fallback."""
+        link = vm.link
+        if link is None or link.client is None:
+            return
+        try:
+            with trio.fail_after(GUEST_CALL_S):
+                await link.call(link.client.shutdown)
+        except (FeosError, trio.TooSlowError) as exc:
+            log.info("microVM %s: the guest's Shutdown failed (%s); ACPI", vm.record.id, exc)
+
+    async def suspend(self, vm_id: str, *, purge_guest: bool = True) -> VmInfo:
+        vm = self._get(vm_id)
+        self._refuse_late(vm)
+        async with vm.lock:
+            if is_noop(vm.record.state, "suspend"):
+                return self._info(vm)
+            next_state(vm.record.state, "suspend")
+            vm.suspending = True
+            try:
+                await self._suspend(vm, purge_guest)
+            finally:
+                vm.suspending = False
+                vm.poke()
+        return self._info(vm)
+
+    async def _suspend(self, vm: _Vm, purge_guest: bool) -> None:
+        budget = suspend_budget_mib(vm.record.spec.memory_mib)
+        if purge_guest:
+            await self._purge(vm)
+        timeout = self._snapshot_timeout or float(budget.snapshot_s)
+        try:
+            await self._driver.suspend(vm.handle, snapshot_timeout=timeout)
+        except FeosError as exc:
+            if exc.busy:
+                await self._record(vm, VmState.BUSY, exc.message)
+                assert self._nursery is not None
+                self._nursery.start_soon(self._late_done, vm, vm.generation)
+            raise
+        vm.generation += 1  # the watcher of the ended QEMU records nothing
+        await self._record(vm, VmState.SUSPENDED, "")
+        self._emit(Suspended(vm.record.id))
+
+    async def _purge(self, vm: _Vm) -> None:
+        """The guest drops its caches and compacts; the balloon's reporting settles."""
+        link = vm.link
+        if link is not None and link.client is not None:
+            try:
+                with trio.fail_after(PURGE_S):
+                    await link.call(link.client.prepare_suspend)
+            except (FeosError, trio.TooSlowError) as exc:
+                log.info("microVM %s: PrepareSuspend failed: %s", vm.record.id, exc)
+        settle = getattr(self._driver, "settle", None)
+        if settle is not None:
+            await settle(vm.handle, within=SETTLE_S)
+
+    async def _late_done(self, vm: _Vm, generation: int) -> None:
+        try:
+            await self._driver.late_snapshot_done(vm.handle)
+        except FeosError as exc:
+            log.warning("microVM %s: after its late snapshot: %s", vm.record.id, exc)
+            return
+        async with vm.lock:
+            if not vm.deleted and vm.generation == generation:
+                await self._record(vm, VmState.RUNNING, "")
+                log.info("microVM %s runs again after its late snapshot", vm.record.id)
+
+    async def resume(self, vm_id: str) -> VmInfo:
+        vm = self._get(vm_id)
+        async with vm.lock:
+            if is_noop(vm.record.state, "resume"):
+                return self._info(vm)
+            next_state(vm.record.state, "resume")
+            assert vm.link is not None
+            before = vm.link.attaches
+            await self._driver.resume(vm.handle, within=BOOT_S)
+            await self._join_cgroup(vm)
+            await self._record(vm, VmState.RUNNING, "")
+            self._watch(vm)
+            vm.link.kick()
+            try:
+                await vm.link.after_resume(before)
+            except (FeosError, trio.TooSlowError) as exc:
+                log.warning("microVM %s: the resumed guest did not answer: %s", vm_id, exc)
+        return self._info(vm)
+
+    async def delete(self, vm_id: str) -> None:
+        vm = self._vms.get(vm_id)
+        if vm is None:
+            check_id(vm_id)
+            return
+        async with vm.lock:
+            vm.deleted = True
+            vm.scope.cancel()
+            await self._driver.delete(vm.handle)
+            if self._cgroups is not None:
+                await trio.to_thread.run_sync(_cgroup_remove, self._cgroups, vm_id)
+            async with self._write_lock:
+                assert self._records is not None
+                await trio.to_thread.run_sync(self._records.remove, vm_id)
+            self._vms.pop(vm_id, None)
+
+    def get(self, vm_id: str) -> VmInfo:
+        return self._info(self._get(vm_id))
+
+    def list(self) -> list[VmInfo]:
+        return [self._info(vm) for vm in self._vms.values()]
+
+    async def guest(self, vm_id: str, *, within: float = GUEST_CALL_S) -> GuestHandle:
+        """The attached guest of a pod, for its calls; UNAVAILABLE (busy when known) otherwise."""
+        vm = self._get(vm_id)
+        message = f"the guest of pod {vm_id} did not answer within {within:g}s"
+        with trio.move_on_after(within):
+            while _busy_reason(vm) is not None:
+                await vm.changed.wait()
+            assert vm.link is not None
+            client = await vm.link.session(within)
+            return GuestHandle(self._bridge, client)
+        reason = _busy_reason(vm)
+        if reason is not None:
+            raise FeosError(Code.UNAVAILABLE, f"{message}; the VM is busy: {reason}", busy=True)
+        raise FeosError(Code.UNAVAILABLE, message)
+
+    # -- internals --------------------------------------------------------------------
+
+    def _get(self, vm_id: str) -> _Vm:
+        vm = self._vms.get(check_id(vm_id))
+        if vm is None:
+            raise FeosError(Code.NOT_FOUND, f"microVM {vm_id} does not exist")
+        return vm
+
+    def _refuse_late(self, vm: _Vm) -> None:
+        if vm.record.state is VmState.BUSY:
+            raise busy(f"QEMU still writes the snapshot of microVM {vm.record.id}")
+
+    def _info(self, vm: _Vm) -> VmInfo:
+        r = vm.record
+        attached = vm.link is not None and vm.link.client is not None
+        return VmInfo(r.id, r.state, r.reason, r.driver, r.accel, r.guest_version,
+                      r.spec.vcpus, r.spec.memory_mib, attached)  # fmt: skip
+
+    def _free_uid(self) -> int:
+        used = {vm.record.uid for vm in self._vms.values()}
+        uid = UID_BASE
+        while uid in used:
+            uid += 1
+        return uid
+
+    def _new_vm(self, record: VmRecord, gdir: Path) -> _Vm:
+        handle = VmHandle(record.id, record.spec, self._driver.directory(record.id),
+                          record.guest_version, gdir, record.accel, record.uid)  # fmt: skip
+        return _Vm(record, handle)
+
+    async def _record(self, vm: _Vm, state: VmState, reason: str) -> None:
+        """Keep the change in vms.db (worker thread, one write at a time), then in memory."""
+        record = attrs.evolve(vm.record, state=state, reason=reason)
+        async with self._write_lock:
+            assert self._records is not None
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self._records.put, record)
+        vm.record = record
+        vm.poke()
+
+    def _start_link(self, vm: _Vm) -> None:
+        vm_id = vm.record.id
+
+        async def network() -> Any | None:
+            return await self._network(vm_id) if self._network is not None else None
+
+        def attached(client: Any) -> None:
+            self._emit(GuestAttached(vm_id, str(getattr(client, "boot_id", ""))))
+
+        vm.link = GuestLink(vm_id, self._driver.guest_link(vm.handle), self._bridge,
+                            network=network, on_attach=attached,
+                            clock_interval=self._clock_interval)  # fmt: skip
+        assert self._nursery is not None
+        self._nursery.start_soon(self._in_scope, vm, vm.link.run)
+
+    async def _in_scope(self, vm: _Vm, fn: Callable[[], Awaitable[None]]) -> None:
+        with vm.scope:
+            await fn()
+
+    def _watch(self, vm: _Vm) -> None:
+        vm.generation += 1
+        generation = vm.generation
+
+        async def watch() -> None:
+            exit_ = await self._driver.wait(vm.handle)
+            async with vm.lock:
+                if vm.generation == generation and vm.record.state is VmState.RUNNING:
+                    await self._ended(vm, exit_)
+
+        assert self._nursery is not None
+        self._nursery.start_soon(self._in_scope, vm, watch)
+
+    async def _ended(self, vm: _Vm, exit_: Exit) -> None:
+        vm.generation += 1
+        await self._record(vm, exit_.state, exit_.reason)
+        if exit_.state is VmState.STOPPED:
+            self._emit(Stopped(vm.record.id, exit_.reason))
+        else:
+            self._emit(Crashed(vm.record.id, exit_.reason))
+        log.info("microVM %s %s: %s", vm.record.id, exit_.state.value, exit_.reason)
+
+    async def _join_cgroup(self, vm: _Vm) -> None:
+        pid = getattr(self._driver, "pid", lambda _h: None)(vm.handle)
+        if self._cgroups is None or pid is None:
+            return
+        await trio.to_thread.run_sync(_cgroup_join, self._cgroups, vm.record.id,
+                                      vm.record.spec.vcpus, pid)  # fmt: skip
+
+    async def _take_over(self, record: VmRecord) -> None:
+        """A record found at the start: the microVM is adopted as its driver finds it."""
+        try:
+            gdir = (self._guest_root or guest_root()) / record.guest_version
+            vm = self._new_vm(record, gdir)
+            self._vms[record.id] = vm
+            self._start_link(vm)
+            if record.state not in (VmState.RUNNING, VmState.BUSY, VmState.SUSPENDED):
+                return
+            found = await self._driver.adopt(vm.handle)
+        except FeosError as exc:
+            log.warning("microVM %s could not be taken over: %s", record.id, exc)
+            return
+        log.info("microVM %s taken over: %s %s", record.id, found.state.value, found.reason)
+        if found.state in (VmState.RUNNING, VmState.BUSY):
+            self._watch(vm)
+            assert vm.link is not None
+            vm.link.kick()
+        if found.state is VmState.BUSY:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._late_done, vm, vm.generation)
+        if (found.state, found.reason) != (record.state, record.reason):
+            await self._record(vm, found.state, found.reason)
+
+
+class GuestHandle:
+    """An attached guest for the pod service: `await handle.call(client_method, *args)` or
+    `await handle.ping()`; every method of feos.guest.GuestClient, run on its thread."""
+
+    def __init__(self, bridge: Any, client: Any) -> None:
+        self._bridge = bridge
+        self.client = client
+
+    async def call(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        return await self._bridge.call(fn, *args)
+
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
+        method = getattr(self.client, name)
+
+        async def call(*args: Any) -> Any:
+            return await self._bridge.call(method, *args)
+
+        return call
+
+
+def _busy_reason(vm: _Vm) -> str | None:
+    if vm.suspending:
+        return f"microVM {vm.record.id} is being suspended"
+    if vm.record.state is VmState.BUSY:
+        return f"QEMU still writes the snapshot of microVM {vm.record.id}"
+    return None
+
+
+def _check_spec(spec: VmSpec) -> None:
+    if not 1 <= spec.vcpus <= 32:
+        raise FeosError(Code.INVALID_ARGUMENT, "spec.vcpus: must be 1 to 32")
+    if not 64 <= spec.memory_mib <= 1 << 20:
+        raise FeosError(Code.INVALID_ARGUMENT, "spec.memory_mib: must be 64 MiB to 1 TiB")
+    try:
+        json.loads(spec.metadata)
+    except ValueError:
+        raise FeosError(Code.INVALID_ARGUMENT, "spec.metadata: must be JSON") from None
+
+
+async def _detect_accel() -> str:
+    try:
+        from ._kvm import kvm_probe_async
+
+        probe = await kvm_probe_async()
+    except (OSError, FeosError) as exc:
+        log.warning("KVM could not be probed (%s): QEMU runs guests under TCG", exc)
+        return "tcg"
+    accel = "kvm" if probe.usable else "tcg"
+    log.info("QEMU runs guests under %s: %s", accel.upper(), probe.reason)
+    return accel
+
+
+def _cgroup_join(layout: Any, vm_id: str, vcpus: int, pid: int) -> None:
+    from . import _cgroup
+
+    _cgroup.create(layout, vm_id, vcpus)
+    _cgroup.add_pid(layout, vm_id, pid)
+
+
+def _cgroup_remove(layout: Any, vm_id: str) -> None:
+    from . import _cgroup
+
+    _cgroup.remove(layout, vm_id)
