@@ -28,7 +28,7 @@ CHILD = textwrap.dedent(
     report = {
         "pid": os.getpid(),
         "taken": None if got is None else [got.udp.fileno(), got.tcp.fileno()],
-        "cloexec": None if got is None else [not got.udp.get_inheritable(), not got.tcp.get_inheritable()],
+        "cloexec": None if got is None else [not s.get_inheritable() for s in (got.udp, got.tcp)],
         "env": [k for k in os.environ if k.startswith("LISTEN_")],
         "fds": fds,
     }
@@ -40,8 +40,8 @@ CHILD = textwrap.dedent(
         from feos.net._nametable import NameTable
         table = NameTable.parse("t", 1, {"upgraded": ["10.9.9.9"]})
         async def main():
-            server = DnsServer(got, pod_for=lambda a: PodDns("p", ("t",)), name_tables=lambda: {"t": table},
-                               on_record=lambda r: None)
+            server = DnsServer(got, pod_for=lambda a: PodDns("p", ("t",)),
+                               name_tables=lambda: {"t": table}, on_record=lambda r: None)
             async with trio.open_nursery() as n:
                 await n.start(server.serve)
                 server.pods_loaded()
@@ -90,7 +90,8 @@ def test_systemd_handover_takes_the_dns_sockets_and_closes_the_rest(
                  sock(socket.SOCK_STREAM, 53, True), sock(socket.SOCK_STREAM, 54, True)]
         names = "dns:dns:dns:other"
         redirect = " ".join(f"{{3 + i}}<&{{s.fileno()}}" for i, s in enumerate(socks))
-        script = f'LISTEN_PID=$$ LISTEN_FDS=4 LISTEN_FDNAMES={{names}} exec {{sys.executable}} {child} {ADDRESS} {{redirect}}'
+        env = f"LISTEN_PID=$$ LISTEN_FDS=4 LISTEN_FDNAMES={{names}}"
+        script = f"{{env}} exec {{sys.executable}} {child} {ADDRESS} {{redirect}}"
         subprocess.run(["sh", "-c", script], pass_fds=[s.fileno() for s in socks], check=True)
     """)
     )
@@ -134,7 +135,8 @@ def test_self_upgrade_keeps_the_sockets_and_the_waiting_query(netns: Netns, tmp_
         client = netns.popen(
             sys.executable,
             "-c",
-            "import socket,sys; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(10);"
+            "import socket,sys; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM);"
+            "s.settimeout(10);"
             f"s.sendto(bytes.fromhex(sys.argv[1]), ('{ADDRESS}', 53)); print(s.recv(512).hex())",
             query(0x5151, b"upgraded").hex(),
             stdout=-1,
