@@ -31,7 +31,8 @@ def test_short_id_is_text(vm_id: str) -> None:
 @given(st.uuids())
 def test_uuid_is_16_bytes(u: uuid.UUID) -> None:
     key = encode_id(str(u))
-    assert isinstance(key, bytes) and len(key) == 16
+    assert isinstance(key, bytes)
+    assert len(key) == 16
     assert decode_id(key) == str(u)
 
 
@@ -48,9 +49,10 @@ def test_other_ids_are_refused(bad: str) -> None:
 @given(st.text(max_size=40))
 def test_check_id_never_crashes(text: str) -> None:
     try:
-        assert check_id(text) == text
+        got: object = check_id(text)
     except FeosError as e:
-        assert e.code == Code.INVALID_ARGUMENT
+        got = e.code
+    assert got in (text, Code.INVALID_ARGUMENT)
 
 
 def _record(vm_id: str, state: VmState = VmState.RUNNING) -> VmRecord:

@@ -32,7 +32,8 @@ def test_allowed(state: VmState, op: str, to: VmState) -> None:
 def test_busy_refuses_with_the_marker(op: str) -> None:
     with pytest.raises(FeosError) as e:
         next_state(S.BUSY, op)
-    assert e.value.code == Code.UNAVAILABLE and e.value.busy
+    assert e.value.code == Code.UNAVAILABLE
+    assert e.value.busy
     assert e.value.message.startswith("the VM is busy: ")
 
 
@@ -44,12 +45,15 @@ def test_busy_refuses_with_the_marker(op: str) -> None:
 def test_refused(state: VmState, op: str) -> None:
     with pytest.raises(FeosError) as e:
         next_state(state, op)
-    assert e.value.code == Code.FAILED_PRECONDITION and not e.value.busy
+    assert e.value.code == Code.FAILED_PRECONDITION
+    assert not e.value.busy
 
 
 def test_noops() -> None:
-    assert is_noop(S.RUNNING, "start") and is_noop(S.SUSPENDED, "suspend")
-    assert is_noop(S.STOPPED, "shutdown") and not is_noop(S.RUNNING, "suspend")
+    assert is_noop(S.RUNNING, "start")
+    assert is_noop(S.SUSPENDED, "suspend")
+    assert is_noop(S.STOPPED, "shutdown")
+    assert not is_noop(S.RUNNING, "suspend")
 
 
 def test_exit_of() -> None:
@@ -83,8 +87,10 @@ def test_punch_zeros(tmp_path: Path) -> None:
     before = os.stat(f).st_blocks * 512
     assert punch_zeros(f) == 3 << 20
     st = os.stat(f)
-    assert st.st_size == len(data) and f.read_bytes() == data
-    assert st.st_blocks * 512 < before - (2 << 20) and st.st_blocks * 512 < st.st_size
+    assert st.st_size == len(data)
+    assert f.read_bytes() == data
+    assert st.st_blocks * 512 < before - (2 << 20)
+    assert st.st_blocks * 512 < st.st_size
 
 
 def _guest(root: Path, name: str, built: str) -> None:
@@ -111,12 +117,19 @@ def test_qemu_driver_is_a_driver_and_its_argv(tmp_path: Path) -> None:
     argv = driver.argv(vm)
     joined = " ".join(argv)
     d = tmp_path / "vms" / "qemu" / "abcdefghjkm"
-    assert f"file={d}/root.erofs" in joined and "serial=root" in joined
-    assert "serial=data" in joined and "serial=vol1" in joined and f"file={d}/volume0" in joined
-    assert "tsc_early_khz=2596144" in joined and "vhost=off" in joined
-    assert "-serial chardev:console" in joined and "stdio,id=console,signal=off" in joined
-    assert "free-page-reporting=on" in joined and "virtio-rng-device" in joined
+    assert f"file={d}/root.erofs" in joined
+    assert "serial=root" in joined
+    assert "serial=data" in joined
+    assert "serial=vol1" in joined
+    assert f"file={d}/volume0" in joined
+    assert "tsc_early_khz=2596144" in joined
+    assert "vhost=off" in joined
+    assert "-serial chardev:console" in joined
+    assert "stdio,id=console,signal=off" in joined
+    assert "free-page-reporting=on" in joined
+    assert "virtio-rng-device" in joined
     if os.geteuid() == 0:
         assert ["-chroot", str(d)] == argv[argv.index("-chroot"):][:2]
         assert ["-runas", "2000000:2000000"] == argv[argv.index("-runas"):][:2]
-        assert "elevateprivileges" not in joined and "spawn=deny" in joined
+        assert "elevateprivileges" not in joined
+        assert "spawn=deny" in joined
