@@ -78,8 +78,8 @@ class NodeFacts:
     mesh_endpoints: tuple[IPAddress, ...] = ()
     mesh_prefix: ipaddress.IPv6Network | None = None
     """The cluster's ULA on a mesh: a source in it must come through the device routed to it."""
-    metadata_endpoint: tuple[ipaddress.IPv4Address, int] | None = None
-    """Where the node's own metadata service listens, for the pods with local_metadata."""
+    metadata_port: int = 80
+    """The node's own metadata service's port at 169.254.169.254, for pods with local_metadata."""
 
 
 @attrs.frozen
@@ -190,7 +190,6 @@ _PODS_OUT = 'oifname "pod-*"'
 def _base_chains(facts: NodeFacts) -> list[Chain]:
     return [
         Chain("prerouting", tuple(_prerouting(facts)), _hook("filter", "prerouting", "-150")),
-        Chain("metadata", tuple(_metadata(facts)), _hook("nat", "prerouting", "-100")),
         Chain("input", tuple(_input(facts)), _hook("filter", "input", "0")),
         Chain("forward", tuple(_forward()), _hook("filter", "forward", "0")),
         Chain("postrouting", tuple(_postrouting(facts)), _hook("nat", "postrouting", "100")),
@@ -213,15 +212,6 @@ def _prerouting(facts: NodeFacts) -> list[str]:
     return rules
 
 
-def _metadata(facts: NodeFacts) -> list[str]:
-    if facts.metadata_endpoint is None:
-        return []
-    address, port = facts.metadata_endpoint
-    return [
-        f"iifname @meta-local ip daddr {METADATA_ADDRESS} tcp dport 80 dnat ip to {address}:{port}"
-    ]
-
-
 def _input(facts: NodeFacts) -> list[str]:
     dns, otlp = facts.dns_address, facts.otlp_address
     rules = [
@@ -230,9 +220,11 @@ def _input(facts: NodeFacts) -> list[str]:
         f"{_PODS_IN} ip daddr {dns} tcp dport 53 accept",
         f"{_PODS_IN} ip daddr {otlp} tcp dport {{ 4317, 4318 }} accept",
     ]
-    if facts.metadata_endpoint is not None:
-        address, port = facts.metadata_endpoint
-        rules.append(f"{_PODS_IN} ip daddr {address} tcp dport {port} ct status dnat accept")
+    # QEMU pods: the node answers 169.254.169.254 on their own TAP (a policy route makes it
+    # local for that TAP alone); every other pod's packet to it is dropped here or in forward
+    rules.append(
+        f"iifname @meta-local ip daddr {METADATA_ADDRESS} tcp dport {facts.metadata_port} accept"
+    )
     return [*rules, *_drop(_PODS_IN, "input", "iifname")]
 
 
