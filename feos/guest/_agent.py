@@ -40,6 +40,7 @@ class Options:
         self.volumes_dir = "/volumes"
         self.run_dir = "/run/feos-guest"
         self.crun_root = "/run/crun"
+        self.resolv_conf = "/run/resolv.conf"  # the image's /etc/resolv.conf points there
         self.drives: dict[int, str] = {}
         self.sys_block = "/sys/block"  # tests point these at directories of their own
         self.sys_net = "/sys/class/net"
@@ -75,7 +76,7 @@ class Agent:
         self.started_ns = time.monotonic_ns()
         self.reaper = _proc.Reaper(all_orphans=opts.pid1)
         self.images = ImageStore(opts.data_dir)
-        self.resolv_conf = os.path.join(opts.run_dir, "resolv.conf")
+        self.resolv_conf = opts.resolv_conf
         self.containers = Containers(opts.data_dir, opts.volumes_dir, self.resolv_conf,
                                      opts.crun_root, self.images, self.reaper)  # fmt: skip
         self.done = asyncio.Event()
@@ -167,7 +168,8 @@ class Agent:
         _system.write_in_place(self.resolv_conf, _system.resolv_conf(cfg["resolvers"]))
 
     async def mount_volumes(self, vols: list[dict[str, Any]]) -> list[tuple[str, str]]:
-        await _system.ensure_writable_dir(self.reaper, self.opts.volumes_dir)
+        where = await _system.writable_dir(self.reaper, self.opts.volumes_dir, self.opts.run_dir)
+        self.opts.volumes_dir = self.containers.volumes_dir = where
         outcomes = []
         for vol in vols:
             try:

@@ -215,19 +215,27 @@ async def mount_volume(
     await _check(reaper, ["mount", "-o", "noatime", device, target])
 
 
-async def ensure_writable_dir(reaper: _proc.Reaper, path: str) -> None:
-    """volumes_dir on a read-only root gets a tmpfs over it, so mount points can be made."""
+async def writable_dir(reaper: _proc.Reaper, path: str, run_dir: str) -> str:
+    """A directory for mount points: path, with a tmpfs over it on a read-only root; where the
+    root has no such directory at all, <run_dir>/volumes (said on the console)."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, ".feos-probe")
         os.mkdir(probe)
         os.rmdir(probe)
+        return path
     except OSError as e:
         if e.errno != errno.EROFS:
             raise
-        await _check(
-            reaper, ["mount", "-t", "tmpfs", "-o", "mode=0755,nosuid,nodev", "tmpfs", path]
-        )
+    if os.path.isdir(path):  # noqa: ASYNC240
+        if mounted_source(path) is None:
+            opts = "mode=0755,nosuid,nodev"
+            await _check(reaper, ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", path])
+        return path
+    fallback = os.path.join(run_dir, "volumes")
+    print(f"feos-guest: the root has no {path}: volumes are mounted in {fallback}", flush=True)
+    os.makedirs(fallback, exist_ok=True)
+    return fallback
 
 
 async def _check(reaper: _proc.Reaper, argv: list[str]) -> str:

@@ -67,6 +67,8 @@ class AgentProcess:
             f"{root}/sys-block",
             "--sys-net",
             f"{root}/sys-net",
+            "--resolv-conf",
+            f"{root}/run/resolv.conf",
             *extra,
         ]
         self.proc = subprocess.Popen(
