@@ -24,12 +24,12 @@ from typing import Any
 import trio
 
 from . import _schema
+from ._codec import snake
 from ._host import HostService, own_binary, replace_binary
 from ._lock import take_lock
 from ._sdnotify import notify
 from .net._stores import NameTableService, SecurityGroupService
 from .pods._volumes import VolumeService
-from ._codec import snake
 from .rpc import CapnpThread, capnp_thread
 from .rpc._server import Cap, listen
 from .rpc._server import serve as serve_interface
@@ -167,6 +167,7 @@ class Daemon:
             versions=self.versions,
         )
         self.listeners: dict[str, socket.socket] = {}
+        self.handover: dict[str, int] = {}
         self._upgrade_send, self._upgrade_receive = trio.open_memory_channel[Path](1)
 
     # Until pods exist on this node, nothing names a group or a table.
@@ -228,6 +229,8 @@ class Daemon:
             self.listeners["tcp"] = inherited.pop("tcp", None) or bind_tcp(*self.args.tcp_address)
         for sock in inherited.values():
             sock.close()
+        # Copies of the listeners for a self-upgrade's exec: asyncio closes its own at the stop.
+        self.handover = {name: os.dup(sock.fileno()) for name, sock in self.listeners.items()}
 
     async def serve(self, inherited: dict[str, socket.socket]) -> None:
         lock_fd = await take_lock(self.state_dir / "feosd.lock")
@@ -273,9 +276,9 @@ class Daemon:
         binary = own_binary()
         replace_binary(staged, binary)
         handed = []
-        for name, sock in self.listeners.items():
-            sock.set_inheritable(True)
-            handed.append(f"{name}:{sock.fileno()}")
+        for name, fd in self.handover.items():
+            os.set_inheritable(fd, True)
+            handed.append(f"{name}:{fd}")
         env = dict(os.environ, **{LISTEN_VARIABLE: ",".join(handed)})
         log.warning("upgrading: executing %s with the same pid", binary)
         logging.shutdown()

@@ -1,0 +1,76 @@
+"""The volumes' rules at the API's edge, and claims all or none."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from feos.errors import Code, FeosError
+from feos.pods._volumes import MIB, VolumeService, check_labels, check_size, check_volume_id
+
+
+@given(st.uuids())
+def test_lowercase_uuids_pass(value: uuid.UUID) -> None:
+    assert check_volume_id(str(value)) == str(value)
+
+
+@given(st.text(max_size=40))
+def test_anything_else_is_refused_naming_the_field(text: str) -> None:
+    try:
+        uuid.UUID(text)
+        is_canonical = str(uuid.UUID(text)) == text
+    except ValueError:
+        is_canonical = False
+    if is_canonical:
+        assert check_volume_id(text) == text
+    else:
+        with pytest.raises(FeosError, match="^INVALID_ARGUMENT: id: ") as caught:
+            check_volume_id(text)
+        assert caught.value.code is Code.INVALID_ARGUMENT
+
+
+@given(st.integers(min_value=-(2**70), max_value=2**70))
+def test_sizes_are_whole_mib_from_64_mib_to_16_tib(size: int) -> None:
+    ok = 64 * MIB <= size <= 16 << 40 and size % MIB == 0
+    if ok:
+        assert check_size(size) == size
+    else:
+        with pytest.raises(FeosError, match="sizeBytes"):
+            check_size(size)
+
+
+def test_labels_are_sorted_and_checked() -> None:
+    assert check_labels([{"key": "b", "value": "2"}, {"key": "a", "value": "1"}]) == (
+        ("a", "1"), ("b", "2"))
+    with pytest.raises(FeosError, match=r"labels\[1\].key: a is given twice"):
+        check_labels([{"key": "a"}, {"key": "a"}])
+    with pytest.raises(FeosError, match=r"labels\[0\].value"):
+        check_labels([{"key": "a", "value": "x" * 257}])
+
+
+async def test_claims_are_all_or_none(tmp_path: Path) -> None:
+    service = VolumeService(tmp_path)
+    service.load()
+    a, b, c = (str(uuid.uuid4()) for _ in range(3))
+    try:
+        for volume_id in (a, b):
+            await service.create_volume({"id": volume_id, "sizeBytes": 64 * MIB})
+        await service.claim("pod1", [a])
+        # b is free but c does not exist, and a is another pod's: nothing is claimed.
+        with pytest.raises(FeosError, match="not on this node"):
+            await service.claim("pod2", [b, c])
+        with pytest.raises(FeosError, match="attached to pod pod1"):
+            await service.claim("pod2", [b, a])
+        assert service.store.get(b).pod_id == ""  # type: ignore[union-attr]
+        with pytest.raises(FeosError) as caught:
+            await service.delete_volume({"id": a})
+        assert caught.value.code is Code.FAILED_PRECONDITION
+        await service.release("pod1")
+        assert service.store.get(a).state == "available"  # type: ignore[union-attr]
+        await service.delete_volume({"id": a})
+    finally:
+        service.close()
