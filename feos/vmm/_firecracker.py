@@ -1,0 +1,398 @@
+"""The Firecracker driver: a microVM in the jailer, configured and run through its API socket.
+
+Theory of operation (node.md, "A pod's microVM", "Lifecycle").
+
+- prepare: the jail (its user, jail.json), the guest's files linked in, metadata.json,
+  config.json, the console FIFO and the logs. No process.
+- start: the newest installed Firecracker (recorded in jail.json), the disks linked in as the
+  microVM's own, the TAP, the cgroup; the jailer runs in a session of its own (feosd is the
+  subreaper, not the session leader) with console.in as stdin and serial.log as stdout, and
+  execs Firecracker in the same pid. config.json goes in section by section, then InstanceStart.
+- suspend: pause, a Full snapshot into snapshot/ within the snapshot's timeout, the process
+  ended, the zero pages punched out. A snapshot not written in time leaves the late-snapshot
+  marker in the jail: Firecracker cannot stop in the middle and writes on, so every suspend and
+  shutdown is refused as busy until late_snapshot_done saw it answer again, ran the vCPUs again
+  and discarded the snapshot. The marker is a file, so a restarted feosd finds it.
+- resume: the snapshot's Firecracker version (FAILED_PRECONDITION if it is gone), the snapshot
+  loaded with the vCPUs stopped, MMDS put in again, the vCPUs resumed, the snapshot removed.
+- delete: the process killed, what jail.json records undone, the cgroup and the directory gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from feos.errors import Code, FeosError, busy
+
+from . import _cgroup, _jail
+from . import _firecracker_config as fcc
+from ._driver import Adopted, Exit, VmHandle, VmState
+from ._firecracker_api import FirecrackerApi
+from ._firecracker_punch import punch_zero_pages
+from ._jail import Jail, JailRecord
+
+_EXIT_RE = re.compile(r"exit_code=(\d+)")
+STALL_S = 300.0  # a late snapshot whose memory file does not grow this long has crashed
+
+
+def _host_tsc_khz() -> int | None:
+    try:
+        from ._qemu_argv import host_tsc_khz
+    except ImportError:
+        return None
+    return host_tsc_khz()
+
+
+class FirecrackerDriver:
+    """The driver of feos/vmm/_driver.py for Firecracker."""
+
+    name = "firecracker"
+
+    def __init__(self, state: Path, *, cgroups: _cgroup.Layout | None = None,
+                 netns: str | None = None, tsc_khz: int | None = None) -> None:
+        self.state_dir = state
+        self.netns = netns  # tests: the TAP and Firecracker in a namespace of the test's
+        self._layout = cgroups
+        self._prepared_cgroups = False
+        self._tsc_khz = tsc_khz
+        self._procs: dict[str, trio.Process] = {}
+
+    # -- paths -----------------------------------------------------------------------------------
+
+    def jail(self, vm_id: str) -> Jail:
+        return Jail(self.state_dir, vm_id)
+
+    def directory(self, vm_id: str) -> Path:
+        return self.jail(vm_id).root
+
+    def guest_link(self, vm: VmHandle) -> Path:
+        return self.directory(vm.id) / "v.sock_10001"
+
+    def api(self, vm_id: str, timeout: float = 10.0) -> FirecrackerApi:
+        return FirecrackerApi(self.directory(vm_id) / "fc.sock", timeout)
+
+    def late_snapshot(self, vm: VmHandle) -> bool:
+        return (self.directory(vm.id) / _jail.LATE_MARKER).exists()
+
+    def _record(self, vm_id: str) -> JailRecord:
+        record = self.jail(vm_id).read()
+        if record is None:
+            raise FeosError(Code.FAILED_PRECONDITION, f"microVM {vm_id} has no jail")
+        return record
+
+    # -- create ----------------------------------------------------------------------------------
+
+    async def prepare(self, vm: VmHandle) -> None:
+        await trio.to_thread.run_sync(self._prepare_sync, vm)
+
+    create = prepare
+
+    def _prepare_sync(self, vm: VmHandle) -> None:
+        jail = self.jail(vm.id)
+        record = _jail.make(jail)
+        install = _jail.choose()
+        record.version, record.firecracker, record.jailer = (
+            install.version, str(install.firecracker), str(install.jailer))
+        jail.write(record)
+        for name in ("vmlinux", "initramfs", "root.erofs"):
+            if (vm.guest_dir / name).exists() and not jail.path(name).exists():
+                _jail.link_in(jail, record, name, vm.guest_dir / name, disk=False)
+        _jail.write_json_file(jail.path("metadata.json"), json.loads(vm.spec.metadata))
+        jail.path("metadata.json").chmod(0o644)
+        config = fcc.build(self._fc_config(vm, install.version))
+        jail.path("config.json").write_bytes(fcc.encode(config))
+        _jail.own_file(jail, record, "console.in", fifo=True)
+        _jail.own_file(jail, record, "snapshot/")
+        jail.path("serial.log").touch()
+
+    def _fc_config(self, vm: VmHandle, version: str) -> fcc.FcConfig:
+        if self._tsc_khz is None:
+            self._tsc_khz = _host_tsc_khz() or 0
+        initrd = "initramfs" if (vm.guest_dir / "initramfs").exists() else None
+        s = vm.spec
+        return fcc.FcConfig(
+            vcpus=s.vcpus, memory_mib=s.memory_mib, initrd=initrd,
+            data="data" if s.data_disk else None,
+            volumes=tuple(f"volume{i}" for i in range(1, len(s.volumes) + 1)),
+            tap=s.tap, mac=s.mac, tsc_khz=self._tsc_khz or None, kernel_extra=s.kernel_extra,
+            version=fcc.parse_version(version) if version != "unknown" else (0, 0, 0))
+
+    # -- the process -----------------------------------------------------------------------------
+
+    def _cgroups(self) -> _cgroup.Layout:
+        if self._layout is None:
+            self._layout = _cgroup.detect()
+        if not self._prepared_cgroups:
+            _cgroup.prepare(self._layout, own_pids=[os.getpid()])
+            self._prepared_cgroups = True
+        return self._layout
+
+    def _ready_jail(self, vm: VmHandle, install: _jail.FcInstall, *, boot: bool
+                    ) -> tuple[list[str], bool]:
+        """Everything a start or resume needs before the jailer runs; its argv, and whether the
+        jailer moves Firecracker into its cgroup (else feosd does)."""
+        jail = self.jail(vm.id)
+        record = self._record(vm.id)
+        record.version, record.firecracker, record.jailer = (
+            install.version, str(install.firecracker), str(install.jailer))
+        jail.write(record)
+        _jail.clear_jailer_leftovers(jail)
+        disks = [("data", vm.spec.data_disk)] if vm.spec.data_disk else []
+        disks += [(f"volume{i}", v) for i, v in enumerate(vm.spec.volumes, 1)]
+        for name, source in disks:
+            _jail.link_in(jail, record, name, Path(source), disk=True)
+        if vm.spec.tap:
+            _jail.ensure_tap(jail, record, vm.spec.tap, self.netns)
+        layout = self._cgroups()
+        record.cgroups = [str(d) for d in _cgroup.vm_dirs(layout, vm.id)]
+        jail.write(record)
+        _cgroup.create(layout, vm.id, vm.spec.vcpus)
+        log = jail.path("vmm.log")
+        if boot and log.exists() and log.stat().st_size:
+            log.replace(jail.path("vmm.log.1"))  # Firecracker writes its log from offset 0
+        _jail.own_file(jail, record, "vmm.log")
+        mounts = _cgroup.parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+        cgroup_args = _cgroup.jailer_args(layout, vm.id, vm.spec.vcpus, mounts)
+        argv = _jail.jailer_argv(jail, record, cgroup_args=cgroup_args,
+                                 metadata=vm.spec.tap is not None, netns=self._netns_path())
+        return argv, cgroup_args is not None
+
+    def _netns_path(self) -> str | None:
+        return f"/var/run/netns/{self.netns}" if self.netns else None
+
+    async def _spawn(self, vm: VmHandle, install: _jail.FcInstall, *, boot: bool,
+                     within: float) -> None:
+        argv, jailer_moves = await trio.to_thread.run_sync(
+            lambda: self._ready_jail(vm, install, boot=boot))
+        root = self.directory(vm.id)
+        serial_flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if boot else os.O_APPEND)
+        fds = [os.open(root / "console.in", os.O_RDWR | os.O_CLOEXEC),  # never an EOF
+               os.open(root / "serial.log", serial_flags | os.O_CLOEXEC, 0o640),
+               os.open(root / "vmm.log", os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)]
+        try:
+            proc = await trio.lowlevel.open_process(
+                argv, stdin=fds[0], stdout=fds[1], stderr=fds[2], start_new_session=True)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self._procs[vm.id] = proc
+        if not jailer_moves:
+            _cgroup.add_pid(self._cgroups(), vm.id, proc.pid)
+        await self._wait_api(vm.id, proc, within)
+
+    async def _wait_api(self, vm_id: str, proc: trio.Process, within: float) -> None:
+        sock = self.directory(vm_id) / "fc.sock"
+        with trio.move_on_after(within):
+            while True:
+                if proc.poll() is not None:
+                    raise FeosError(Code.INTERNAL, f"Firecracker of {vm_id} ended at its start "
+                                    f"({proc.returncode}): {self._log_tail(vm_id)}")
+                if sock.exists():
+                    with contextlib.suppress(FeosError):
+                        await self.api(vm_id, 1.0).describe()
+                        return
+                await trio.sleep(0.005)
+        raise FeosError(Code.UNAVAILABLE, f"Firecracker of {vm_id} did not answer within "
+                        f"{within:g}s: {self._log_tail(vm_id)}")
+
+    def _log_tail(self, vm_id: str, lines: int = 3) -> str:
+        try:
+            text = (self.directory(vm_id) / "vmm.log").read_text(errors="replace")
+        except OSError:
+            return "no vmm.log"
+        return " | ".join(text.strip().splitlines()[-lines:]) or "vmm.log is empty"
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self, vm: VmHandle, *, within: float) -> None:
+        install = await trio.to_thread.run_sync(_jail.choose)
+        await self._spawn(vm, install, boot=True, within=within)
+        config = json.loads((self.directory(vm.id) / "config.json").read_bytes())
+        api = self.api(vm.id)
+        for method, path, body in fcc.api_calls(config):
+            await api.call(method, path, body)
+        await api.action("InstanceStart")
+
+    async def wait(self, vm: VmHandle) -> Exit:
+        proc = self._procs.get(vm.id)
+        code: int | None
+        if proc is not None:
+            code = await proc.wait()
+            self._procs.pop(vm.id, None)
+        else:
+            code = await self._wait_adopted(vm.id)
+        return self._exit(vm.id, code)
+
+    def _exit(self, vm_id: str, code: int | None) -> Exit:
+        if code is None:  # adopted: not our child, its status is in its log
+            found = _EXIT_RE.findall(self._log_tail(vm_id, 2))
+            code = int(found[-1]) if found else None
+        if code == 0:
+            return Exit(VmState.STOPPED, "the guest shut down or rebooted")
+        if code is None:
+            return Exit(VmState.CRASHED, "Firecracker ended without saying how")
+        if code < 0:
+            return Exit(VmState.CRASHED, f"Firecracker was killed by signal {-code}")
+        return Exit(VmState.CRASHED, f"Firecracker exited with {code}: {self._log_tail(vm_id)}")
+
+    def _pid(self, vm_id: str) -> int | None:
+        """Firecracker's pid from the jailer's pid file, if that process is this microVM's."""
+        proc = self._procs.get(vm_id)
+        if proc is not None and proc.poll() is None:
+            return proc.pid
+        try:
+            pid = int((self.directory(vm_id) / "firecracker.pid").read_text())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            return None
+        return pid if b"--id" in cmdline and vm_id.encode() in cmdline else None
+
+    async def _wait_adopted(self, vm_id: str) -> int | None:
+        pid = self._pid(vm_id)
+        if pid is None:
+            return None
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return None
+        try:
+            await trio.lowlevel.wait_readable(pidfd)
+        finally:
+            os.close(pidfd)
+        return None
+
+    async def _kill(self, vm_id: str) -> None:
+        proc = self._procs.get(vm_id)
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            self._procs.pop(vm_id, None)
+            return
+        pid = self._pid(vm_id)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            await self._wait_adopted(vm_id)
+
+    async def shutdown(self, vm: VmHandle, *, grace: float) -> Exit:
+        self._refuse_when_late(vm)
+        with contextlib.suppress(FeosError):
+            await self.api(vm.id).action("SendCtrlAltDel")
+        with trio.move_on_after(grace):
+            return await self.wait(vm)
+        await self._kill(vm.id)
+        return Exit(VmState.CRASHED, f"the guest did not power off within {grace:g}s")
+
+    def _refuse_when_late(self, vm: VmHandle) -> None:
+        if self.late_snapshot(vm):
+            raise busy(f"Firecracker still writes the snapshot of {vm.id}")
+
+    # -- suspend and resume ----------------------------------------------------------------------
+
+    async def suspend(self, vm: VmHandle, *, snapshot_timeout: float) -> None:
+        self._refuse_when_late(vm)
+        root = self.directory(vm.id)
+        api = self.api(vm.id)
+        await api.pause()
+        await trio.to_thread.run_sync(self._fresh_snapshot_dir, vm.id)
+        with trio.move_on_after(snapshot_timeout) as scope:
+            await api.snapshot_create("snapshot/vmstate", "snapshot/memory",
+                                      within=snapshot_timeout + 5)
+        if scope.cancelled_caught:
+            marker = {"since": time.time(), "pid": self._pid(vm.id),
+                      "timeout_s": snapshot_timeout}
+            await trio.to_thread.run_sync(_jail.write_json_file, root / _jail.LATE_MARKER, marker)
+            raise busy(f"Firecracker still writes the snapshot of {vm.id}: not written within "
+                       f"{snapshot_timeout:g}s")
+        await self._kill(vm.id)
+        await trio.to_thread.run_sync(punch_zero_pages, root / "snapshot" / "memory")
+
+    def _fresh_snapshot_dir(self, vm_id: str) -> None:
+        jail = self.jail(vm_id)
+        snap = jail.path("snapshot")
+        if snap.exists():
+            shutil.rmtree(snap)
+        _jail.own_file(jail, self._record(vm_id), "snapshot/")
+
+    async def late_snapshot_done(self, vm: VmHandle) -> None:
+        """Wait for Firecracker to answer again (its API is busy while it writes), then run the
+        VM on and discard the snapshot; a memory file that stops growing ends it as crashed."""
+        memory = self.directory(vm.id) / "snapshot" / "memory"
+        last, since = -1, time.monotonic()
+        while True:
+            if self._pid(vm.id) is None:
+                break  # it ended: nothing runs on
+            with contextlib.suppress(FeosError):
+                await self.api(vm.id, 2.0).describe()
+                await self.api(vm.id).resume()
+                break
+            blocks = memory.stat().st_blocks if memory.exists() else 0
+            if blocks != last:
+                last, since = blocks, time.monotonic()
+            elif time.monotonic() - since > STALL_S:
+                await self._kill(vm.id)
+                break
+            await trio.sleep(1)
+        await trio.to_thread.run_sync(self._fresh_snapshot_dir, vm.id)
+        (self.directory(vm.id) / _jail.LATE_MARKER).unlink(missing_ok=True)
+
+    async def resume(self, vm: VmHandle, *, within: float) -> None:
+        record = await trio.to_thread.run_sync(self._record, vm.id)
+        install = await trio.to_thread.run_sync(_jail.find, record.version)
+        await self._spawn(vm, install, boot=False, within=within)
+        api = self.api(vm.id, within)
+        await api.snapshot_load("snapshot/vmstate", "snapshot/memory")
+        if vm.spec.tap:
+            await api.put_mmds(json.loads(vm.spec.metadata))
+        await api.resume()
+        await trio.to_thread.run_sync(self._fresh_snapshot_dir, vm.id)
+
+    # -- delete, adopt, state --------------------------------------------------------------------
+
+    async def delete(self, vm: VmHandle) -> None:
+        await self._kill(vm.id)
+        jail = self.jail(vm.id)
+        record = await trio.to_thread.run_sync(jail.read)
+        await trio.to_thread.run_sync(_jail.undo, jail)
+        dirs = [Path(d) for d in record.cgroups] if record else []
+        for _ in range(50):  # the kernel empties a cgroup a moment after its last task's exit
+            try:
+                await trio.to_thread.run_sync(_cgroup.remove_dirs, dirs)
+                return
+            except FeosError:
+                await trio.sleep(0.02)
+        await trio.to_thread.run_sync(_cgroup.remove_dirs, dirs)
+
+    async def adopt(self, vm: VmHandle) -> Adopted:
+        root = self.directory(vm.id)
+        pid = self._pid(vm.id)
+        if pid is not None:
+            if self.late_snapshot(vm):
+                return Adopted(VmState.BUSY, "Firecracker still writes a late snapshot", pid)
+            try:
+                got = await self.api(vm.id, 2.0).describe()
+            except FeosError as e:
+                return Adopted(VmState.BUSY, f"Firecracker does not answer: {e.message}", pid)
+            return Adopted(VmState.RUNNING, str(got.get("state", "")), pid)
+        if (root / "snapshot" / "vmstate").exists() and not self.late_snapshot(vm):
+            return Adopted(VmState.SUSPENDED, "a snapshot in snapshot/")
+        if (root / "config.json").exists():
+            return Adopted(VmState.CREATED, "no process")
+        return Adopted(VmState.DELETED, "no jail")
+
+    async def state(self, vm: VmHandle) -> VmState:
+        return (await self.adopt(vm)).state
+
+    async def balloon_statistics(self, vm: VmHandle) -> dict[str, Any]:
+        return await self.api(vm.id).balloon_statistics()
