@@ -135,6 +135,16 @@ def candidate_version(policy: str) -> str | None:
     return m.group(1)
 
 
+def candidate_versions(policy: str) -> dict[str, str | None]:
+    """Each package's Candidate from one `apt-cache policy P1 P2 ...` (a block per package)."""
+    out: dict[str, str | None] = {}
+    for block in re.split(r"^(?=\S+:\s*$)", policy, flags=re.MULTILINE):
+        head, _, rest = block.partition("\n")
+        if head.rstrip().endswith(":") and not head[:1].isspace():
+            out[head.rstrip()[:-1]] = candidate_version(rest)
+    return out
+
+
 def kernel_package(depends: str) -> str:
     """The linux-image-<abi>-amd64 that `apt-cache depends linux-image-amd64` names."""
     m = re.search(r"Depends:\s*(linux-image-\d[\w.+-]*-amd64)\b", depends)
