@@ -8,8 +8,8 @@ really ran the vCPU (its serial output lands in serial.log). Only the test that 
 guest needs a KVM that runs stock kernels, and skips with the probe's reason where it cannot.
 """
 
-# ruff: noqa: ASYNC240, ASYNC110
-# (the tests read /proc and a guest's serial.log in place: small reads, polled with a deadline)
+# ruff: noqa: ASYNC110
+# (serial.log is polled with a deadline: the guest writes it, nothing to wait on)
 from __future__ import annotations
 
 import json
@@ -21,6 +21,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
@@ -48,6 +49,15 @@ def tiny_kernel() -> bytes:
                        entry, phoff, 0, 0, 64, 56, 1, 64, 0, 0)
     phdr = struct.pack("<IIQQQQQQ", 1, 7, offset, entry, entry, len(code), len(code), 0x1000)
     return (ehdr + phdr).ljust(offset, b"\0") + code
+
+
+def _text(path: str | Path) -> str:
+    """A small read of /proc or a jail's file (sync: tests read them in place)."""
+    return Path(path).read_text()
+
+
+def _exists(path: str | Path) -> bool:
+    return Path(path).exists()
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -170,13 +180,13 @@ async def test_started_in_the_jail(booted: tuple[FirecrackerDriver, VmHandle],
     assert (info["state"], info["vmm_version"]) == ("Running", "1.12.1")
     await _serial(driver, vm, TINY_TEXT, 10)  # the vCPU ran the tiny guest
     pid = int((root / "firecracker.pid").read_text())
-    status = Path(f"/proc/{pid}/status").read_text()
+    status = _text(f"/proc/{pid}/status")
     assert f"Uid:\t{record.uid}\t" in status
     assert os.getsid(pid) == pid != os.getsid(0)  # a session of its own, not feosd's
     # chrooted into root/ (pivot_root), in a mount namespace of its own
     assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
-    assert Path(f"/proc/{pid}/root/config.json").read_bytes() == (root / "config.json").read_bytes()
-    seen = cg.parse_proc_cgroup(Path(f"/proc/{pid}/cgroup").read_text())
+    assert _text(f"/proc/{pid}/root/config.json") == _text(root / "config.json")
+    seen = cg.parse_proc_cgroup(_text(f"/proc/{pid}/cgroup"))
     for h, base in cgroup_parents.items():
         assert seen[h] == f"/{base.name}/vms/{vm.id}"
     assert (cgroup_parents["cpu"] / "vms" / vm.id / "cpu.shares").read_text().strip() == "2048"
@@ -229,6 +239,15 @@ async def test_pause_snapshot_resume(booted: tuple[FirecrackerDriver, VmHandle])
     st = memory.stat()
     assert st.st_size == 128 << 20
     assert st.st_blocks * 512 < st.st_size // 4  # the zero pages were punched out
+    # a restore runs the snapshot's Firecracker, or fails when it is not installed any more
+    jail = driver.jail(vm.id)
+    record = jail.read()
+    assert record is not None
+    jail.write(attrs.evolve(record, version="v0.0.1"))
+    with pytest.raises(FeosError, match=r"v0\.0\.1, which is not installed") as e:
+        await driver.resume(vm, within=10)
+    assert e.value.code.name == "FAILED_PRECONDITION"
+    jail.write(record)
     await driver.resume(vm, within=10)
     assert (await driver.api(vm.id).describe())["state"] == "Running"
     assert not memory.exists()
@@ -252,6 +271,25 @@ async def test_late_snapshot_refuses_then_runs_on(
     assert (await driver.api(vm.id).describe())["state"] == "Running"
 
 
+async def test_a_new_feosd_adopts_it(booted: tuple[FirecrackerDriver, VmHandle],
+                                    cgroup_parents: dict[str, Path]) -> None:
+    driver, vm = booted
+    fresh = FirecrackerDriver(driver.state_dir, cgroups=cg.V1Layout(bases=cgroup_parents))
+    adopted = await fresh.adopt(vm)
+    assert adopted.state == VmState.RUNNING
+    assert adopted.pid == int((driver.directory(vm.id) / "firecracker.pid").read_text())
+
+
+async def test_shutdown_of_a_guest_that_ignores_it(
+        booted: tuple[FirecrackerDriver, VmHandle]) -> None:
+    driver, vm = booted
+    # the tiny guest has no keyboard controller driver: Ctrl-Alt-Del goes unheard
+    ended = await driver.shutdown(vm, grace=0.5)
+    assert ended.state == VmState.CRASHED
+    assert "did not power off within 0.5s" in ended.reason
+    assert await driver.state(vm) == VmState.CREATED
+
+
 async def test_delete_leaves_nothing(firecracker_root: Path, state_dir: Path, guest_dir: Path,
                                      shm_dir: Path, netns: str) -> None:
     """A second microVM whose cgroups are not at one path in every hierarchy: feosd moves
@@ -272,16 +310,16 @@ async def test_delete_leaves_nothing(firecracker_root: Path, state_dir: Path, gu
         await driver.prepare(vm)
         await driver.start(vm, within=10)
         pid = int((driver.directory(vm.id) / "firecracker.pid").read_text())
-        seen = cg.parse_proc_cgroup(Path(f"/proc/{pid}/cgroup").read_text())
+        seen = cg.parse_proc_cgroup(_text(f"/proc/{pid}/cgroup"))
         assert seen["cpu"] == f"/{bases['cpu'].name}/vms/{vm.id}"
         assert seen["pids"] == f"/{bases['pids'].name}/vms/{vm.id}"
         await driver.delete(vm)
-        assert not Path(f"/proc/{pid}").exists()
+        assert not _exists(f"/proc/{pid}")  # gone, and reaped
         assert not driver.jail(vm.id).dir.exists()
         assert not any((b / "vms" / vm.id).exists() for b in bases.values())
         assert _run("ip", "-n", netns, "link", "show", vm.spec.tap or "", check=False).returncode
         assert (disk.stat().st_uid, disk.stat().st_gid) == owner
-        assert vm.id not in Path("/proc/self/mountinfo").read_text()
+        assert vm.id not in _text("/proc/self/mountinfo")
         await driver.delete(vm)  # again: nothing left to do
     finally:
         for d in bases.values():

@@ -186,9 +186,13 @@ class FirecrackerDriver:
             for fd in fds:
                 os.close(fd)
         self._procs[vm.id] = proc
-        if not jailer_moves:
-            _cgroup.add_pid(self._cgroups(), vm.id, proc.pid)
-        await self._wait_api(vm.id, proc, within)
+        try:
+            if not jailer_moves:
+                _cgroup.add_pid(self._cgroups(), vm.id, proc.pid)
+            await self._wait_api(vm.id, proc, within)
+        except FeosError:
+            await self._kill(vm.id)  # a start that failed leaves no process behind
+            raise
 
     async def _wait_api(self, vm_id: str, proc: trio.Process, within: float) -> None:
         sock = self.directory(vm_id) / "fc.sock"
@@ -219,9 +223,13 @@ class FirecrackerDriver:
         await self._spawn(vm, install, boot=True, within=within)
         config = json.loads((self.directory(vm.id) / "config.json").read_bytes())
         api = self.api(vm.id)
-        for method, path, body in fcc.api_calls(config):
-            await api.call(method, path, body)
-        await api.action("InstanceStart")
+        try:
+            for method, path, body in fcc.api_calls(config):
+                await api.call(method, path, body)
+            await api.action("InstanceStart")
+        except FeosError:
+            await self._kill(vm.id)
+            raise
 
     async def wait(self, vm: VmHandle) -> Exit:
         proc = self._procs.get(vm.id)
@@ -352,10 +360,14 @@ class FirecrackerDriver:
         install = await trio.to_thread.run_sync(_jail.find, record.version)
         await self._spawn(vm, install, boot=False, within=within)
         api = self.api(vm.id, within)
-        await api.snapshot_load("snapshot/vmstate", "snapshot/memory")
-        if vm.spec.tap:
-            await api.put_mmds(json.loads(vm.spec.metadata))
-        await api.resume()
+        try:
+            await api.snapshot_load("snapshot/vmstate", "snapshot/memory")
+            if vm.spec.tap:
+                await api.put_mmds(json.loads(vm.spec.metadata))
+            await api.resume()
+        except FeosError:
+            await self._kill(vm.id)  # the snapshot stays for another try
+            raise
         await trio.to_thread.run_sync(self._fresh_snapshot_dir, vm.id)
 
     # -- delete, adopt, state --------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The jail's pure parts: which Firecracker runs, the microVM's user, jail.json, the jailer's argv."""
+"""The jail's pure parts: which Firecracker runs, the microVM's user, jail.json, the argv."""
 
 from __future__ import annotations
 
@@ -86,7 +86,8 @@ def test_make_gives_each_jail_its_user_and_keeps_it(tmp_path: Path) -> None:
 
 def test_record_round_trip(tmp_path: Path) -> None:
     record = JailRecord(id="x", uid=900007, version="v1.12.1", firecracker="/fc", jailer="/j",
-                        links=[Link("data", "/d", "hardlink", (0, 0)), Link("vmlinux", "/k", "bind")],
+                        links=[Link("data", "/d", "hardlink", (0, 0)),
+                               Link("vmlinux", "/k", "bind")],
                         taps=["pod-x"], taps_made=["pod-x"], netns="ns", cgroups=["/cg/vms/x"])
     assert JailRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
 
