@@ -10,7 +10,7 @@ SecurityGroup
   rules_in   list of Rule, at most MAX_RULES: what may reach the group's pods (IPv6 only).
   rules_out  list of Rule, at most MAX_RULES: what the group's pods may reach.
 
-Rule
+Rule (the attrs class takes them as Rule(protocol, peer, ports=None))
   protocol   one of any, tcp, udp, icmp, icmpv6 (an enum: ANY=0, TCP=1, UDP=2, ICMP=3, ICMPV6=4).
   ports      optional (first, last), 1 <= first <= last <= 65535; only with tcp or udp; one port
              is (p, p). Absent: every port. It is the destination port: of the peer for a rule
