@@ -57,10 +57,14 @@ class Store(Generic[T]):
     def items(self) -> list[tuple[str, T]]:
         return list(self._items.items())
 
-    async def put(self, record_id: str, value: T) -> None:
-        """Keep value; the caller holds `lock` when its change depends on what is there."""
-        await self._records.put(record_id, self._to_record(value))
+    async def put(self, record_id: str, value: T) -> Any:
+        """Keep value; the caller holds `lock` when its change depends on what is there.
+
+        Returns the record as a Cap'n Proto reader, which an answer can carry as it is.
+        """
+        reader = await self._records.put(record_id, self._to_record(value))
         self._items[record_id] = value
+        return reader
 
     async def remove(self, record_id: str) -> None:
         await self._records.remove(record_id)

@@ -121,11 +121,13 @@ class RecordDir:
     def path(self, record_id: str) -> Path:
         return self.directory / f"{record_id}{SUFFIX}"
 
-    async def put(self, record_id: str, value: dict[str, Any]) -> None:
-        """Keep the record; returns once it is on disk."""
-        data = self.struct.new_message(**value).to_bytes_packed()
+    async def put(self, record_id: str, value: dict[str, Any]) -> Any:
+        """Keep the record; returns once it is on disk, with the message as a reader."""
+        message = self.struct.new_message(**value)
+        data = message.to_bytes_packed()
         path = self.path(record_id)
         await self._writer.run(lambda: write_whole(path, data))
+        return message.as_reader()
 
     async def remove(self, record_id: str) -> None:
         path = self.path(record_id)

@@ -19,6 +19,7 @@ from .. import _schema
 from .._store import Store
 from ..errors import Code, FeosError, invalid
 from ..records import RecordDir
+from ..rpc._server import on_rpc_thread
 
 MIB = 1 << 20
 MIN_SIZE = 64 * MIB
@@ -105,11 +106,14 @@ class VolumeService:
             Volume.to_dict,
             Volume.from_dict,
         )
-        self._dicts: dict[str, dict[str, Any]] = {}
+        # What the API answers: each volume as a Cap'n Proto reader, the mapping replaced whole
+        # on a change so that the reads on the RPC thread never see it change under them.
+        self._answers: dict[str, Any] = {}
 
     def load(self) -> None:
         self.store.load()
-        self._dicts = {v.id: v.to_dict() for v in self.store}
+        struct = _schema.volume().Volume
+        self._answers = {v.id: struct.new_message(**v.to_dict()).as_reader() for v in self.store}
 
     def disk_path(self, volume_id: str) -> Path:
         return self.directory / f"{volume_id}.disk"
@@ -121,8 +125,8 @@ class VolumeService:
         return volume
 
     async def _keep(self, volume: Volume) -> None:
-        await self.store.put(volume.id, volume)
-        self._dicts[volume.id] = volume.to_dict()
+        reader = await self.store.put(volume.id, volume)
+        self._answers = {**self._answers, volume.id: reader}
 
     # -- the API ---------------------------------------------------------------------------
 
@@ -134,21 +138,25 @@ class VolumeService:
             found = self.store.get(volume_id)
             if found is not None:
                 if found.size_bytes == size and found.labels == labels:
-                    return {"volume": self._dicts[volume_id]}
+                    return {"volume": self._answers[volume_id]}
                 raise FeosError(
                     Code.ALREADY_EXISTS, f"volume {volume_id} exists with another size or labels"
                 )
             volume = Volume(volume_id, size, labels, created_unix_ns=time.time_ns())
             await self._keep(volume)
-        return {"volume": self._dicts[volume_id]}
+        return {"volume": self._answers[volume_id]}
 
-    async def get_volume(self, params: dict[str, Any]) -> dict[str, Any]:
+    @on_rpc_thread
+    def get_volume(self, params: dict[str, Any]) -> dict[str, Any]:
         volume_id = check_volume_id(params.get("id", ""))
-        self._get(volume_id)
-        return {"volume": self._dicts[volume_id]}
+        answer = self._answers.get(volume_id)
+        if answer is None:
+            raise FeosError(Code.NOT_FOUND, f"volume {volume_id} does not exist")
+        return {"volume": answer}
 
-    async def list_volumes(self, params: dict[str, Any]) -> dict[str, Any]:
-        return {"volumes": list(self._dicts.values())}
+    @on_rpc_thread
+    def list_volumes(self, params: dict[str, Any]) -> dict[str, Any]:
+        return {"volumes": list(self._answers.values())}
 
     async def delete_volume(self, params: dict[str, Any]) -> dict[str, Any]:
         volume_id = check_volume_id(params.get("id", ""))
@@ -160,7 +168,7 @@ class VolumeService:
                     f"volume {volume_id} is {volume.state} to pod {volume.pod_id}",
                 )
             await self.store.remove(volume_id)
-            self._dicts.pop(volume_id, None)
+            self._answers = {k: v for k, v in self._answers.items() if k != volume_id}
         path = self.disk_path(volume_id)
         import trio
 
