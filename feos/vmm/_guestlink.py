@@ -121,6 +121,47 @@ async def _wait_attached(client: Any, within: float) -> Any:
         raise FeosError(Code.UNAVAILABLE, f"the guest did not attach within {within:g}s") from None
 
 
+async def connect_poking(path: str, deadline: float = ATTACH_S) -> Any:
+    """GuestClient.connect, but the node pokes at once rather than after a second of silence.
+
+    A resumed agent is in a session it believes live and says hello only when poked; a fresh
+    one takes a poke before its session's first message as answered (docs/guest.md), so the
+    early poke costs a booting guest nothing and saves a resumed one the second."""
+    import asyncio
+    import secrets
+    import socket
+
+    from feos.guest._client import GuestClient
+    from feos.guest._hello import GUEST_HELLO, node_poke
+    from feos.guest._link import Link, Pump
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        async with asyncio.timeout(deadline):
+            await asyncio.get_running_loop().sock_connect(sock, path)
+            link = Link(sock)
+            await link.send(node_poke(secrets.token_hex(8)))
+            pump = Pump(link)
+            hello = await pump.next_line(GUEST_HELLO)
+            client = GuestClient(hello)
+            await client._rpc(link, pump)
+            return client
+    except TimeoutError:
+        sock.close()
+        message = f"the guest did not answer within {deadline:g}s"
+        raise FeosError(Code.UNAVAILABLE, message) from None
+    except EOFError:
+        sock.close()
+        raise FeosError(Code.UNAVAILABLE, "the guest link closed before the hello") from None
+    except OSError as exc:
+        sock.close()
+        raise FeosError(Code.UNAVAILABLE, f"the guest link {path}: {exc.strerror or exc}") from None
+    except BaseException:
+        sock.close()
+        raise
+
+
 async def _wait_ended(client: Any) -> None:
     await client.ended.wait()
 
@@ -205,9 +246,7 @@ class GuestLink:
                     await self.call(client.close)
 
     async def _dial(self) -> Any:
-        from feos.guest._client import GuestClient
-
-        connect = self._connect or GuestClient.connect
+        connect = self._connect or connect_poking
         client = await self.call(connect, str(self._path))
         try:
             attached = await self.call(_wait_attached, client, ATTACH_S)

@@ -2,7 +2,7 @@
 
 Theory of operation. A microVM's directory, <state>/vms/qemu/<id>/, holds everything of it:
 
-    config       the argv as JSON, written at creation (a resume adds -S -incoming fd:3)
+    config       the argv as JSON, written at creation (a resume adds -S -incoming fd:N)
     qmp.sock     QMP (one client at a time: the driver keeps one connection per live VM and
                  shares it between its commands and its watch for SHUTDOWN)
     guest.sock   the guest link, a virtio-serial port (QEMU is the socket's server)
@@ -16,7 +16,7 @@ Theory of operation. A microVM's directory, <state>/vms/qemu/<id>/, holds everyt
 
 QEMU is confined as far as it allows: -chroot into the directory and -runas the microVM's own
 uid once it has opened its files, and -sandbox (seccomp) with spawning denied: the suspend and
-resume hand QEMU the snapshot's file descriptor (`getfd` over QMP, `-incoming fd:3`), so QEMU
+resume hand QEMU the snapshot's file descriptor (`getfd` over QMP, `-incoming fd:N`), so QEMU
 never needs a shell or a file inside its chroot. elevateprivileges=deny is left off: QEMU 7.2
 installs the filter before -runas switches user, so the filter kills its own setuid (SIGSYS).
 
@@ -34,6 +34,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,7 @@ class _Live:
     exit: Exit | None = None
     ended: trio.Event = attrs.field(factory=trio.Event)
     reaping: bool = False
+    popen: Any = None  # kept so that its finalizer never reaps the process behind our back
 
 
 def exit_of(code: int | None, signo: int | None, guest_shutdown: bool) -> Exit:
@@ -78,10 +80,10 @@ def exit_of(code: int | None, signo: int | None, guest_shutdown: bool) -> Exit:
     return Exit(VmState.CRASHED, f"QEMU exited with status {code}")
 
 
-def cmdline_names(cmdline: bytes, directory: Path) -> bool:
-    """Whether a /proc/<pid>/cmdline is QEMU's of this directory (and not a reused pid)."""
+def cmdline_names(cmdline: bytes, vm_id: str) -> bool:
+    """Whether a /proc/<pid>/cmdline is QEMU's of this microVM (and not a reused pid)."""
     words = cmdline.split(b"\0")
-    return bool(words) and b"qemu" in words[0] and f"{directory}/qmp.sock".encode() in cmdline
+    return bool(words) and b"qemu" in words[0] and f"feos-{vm_id}".encode() in words
 
 
 class QemuDriver:
@@ -117,30 +119,32 @@ class QemuDriver:
     def late_snapshot(self, vm: VmHandle) -> bool:
         return (vm.directory / LATE_MARKER).exists()
 
-    def config(self, vm: VmHandle) -> QemuConfig:
-        d = vm.directory
-        drives = [Drive(str(d / "root.erofs"), "root", read_only=True)]
+    def config(self, vm: VmHandle, *, chroot: bool) -> QemuConfig:
+        """Paths are relative to the directory, QEMU's working directory before its chroot and
+        its root after: a file QEMU opens again (a drive's reopen read-only when a snapshot
+        inactivates it) is then found on either side of the chroot."""
+        drives = [Drive("root.erofs", "root", read_only=True)]
         if vm.spec.data_disk is not None:
-            drives.append(Drive(str(d / "data"), "data"))
-        drives += [Drive(str(d / f"volume{i}"), f"vol{i + 1}") for i in range(len(vm.spec.volumes))]
+            drives.append(Drive("data", "data"))
+        drives += [Drive(f"volume{i}", f"vol{i + 1}") for i in range(len(vm.spec.volumes))]
         tap = None
         if vm.spec.tap is not None:
             tap = Tap(vm.spec.tap, vm.spec.mac or "06:00:00:00:00:01")
         confine = self._confine and os.geteuid() == 0
         return QemuConfig(
-            kernel=str(d / "vmlinux"), initramfs=str(d / "initramfs"),
+            kernel="vmlinux", initramfs="initramfs",
             cmdline=kernel_cmdline(self._tsc_khz, "feos.guest", *vm.spec.kernel_extra),
             vcpus=vm.spec.vcpus, memory_mib=vm.spec.memory_mib, drives=tuple(drives),
-            link_socket=str(d / "guest.sock"), tap=tap, qmp_socket=str(d / "qmp.sock"),
+            link_socket="guest.sock", tap=tap, qmp_socket="qmp.sock",
             serial_log=None, accel="kvm" if vm.accel == "kvm" else "tcg",
-            chroot=str(d) if confine else None,
+            chroot=str(vm.directory) if confine and chroot else None,
             runas=f"{vm.uid}:{vm.uid}" if confine and vm.uid is not None else None,
             sandbox=False, name=f"feos-{vm.id}", qemu=self._qemu,
         )  # fmt: skip
 
-    def argv(self, vm: VmHandle) -> list[str]:
+    def argv(self, vm: VmHandle, *, chroot: bool = True) -> list[str]:
         """The builder's argv with this driver's console and sandbox (a thin wrapper over it)."""
-        argv = qemu_argv(self.config(vm))
+        argv = qemu_argv(self.config(vm, chroot=chroot))
         # The console: stdin is console.in (a FIFO), stdout serial.log; the builder's -serial
         # file: has no input side.
         i = argv.index("-serial")
@@ -162,17 +166,26 @@ class QemuDriver:
         for name in ("vmlinux", "initramfs", "root.erofs"):
             _link(vm.guest_dir / name, d / name, hard=True)
             links.append(name)
-        if vm.spec.data_disk is not None:
-            _link(Path(vm.spec.data_disk), d / "data", hard=False)
-            links.append("data")
-        for i, volume in enumerate(vm.spec.volumes):
-            _link(Path(volume), d / f"volume{i}", hard=False)
-            links.append(f"volume{i}")
+        disks = [("data", vm.spec.data_disk)] if vm.spec.data_disk is not None else []
+        disks += [(f"volume{i}", v) for i, v in enumerate(vm.spec.volumes)]
+        owners: dict[str, list[int]] = {}
+        inside = True  # every disk is a file of the directory: QEMU may chroot into it
+        for name, path in disks:
+            inside &= _link(Path(path), d / name, hard=True)
+            links.append(name)
+            if vm.uid is not None and os.geteuid() == 0:
+                st = os.stat(d / name)
+                owners[name] = [st.st_uid, st.st_gid]
+                os.chown(d / name, vm.uid, vm.uid)  # its reopen runs as the microVM's user
+        if not inside:
+            log.warning("microVM %s: a disk is on another filesystem; QEMU runs without chroot",
+                        vm.id)  # fmt: skip
         if not (d / "console.in").exists():
             os.mkfifo(d / "console.in", 0o600)
         (d / "metadata.json").write_text(vm.spec.metadata)
-        _write_json(d / "config", self.argv(vm))
-        _write_json(d / "jail.json", {"links": links, "taps": [], "uid": vm.uid,
+        _write_json(d / "config", self.argv(vm, chroot=inside))
+        _write_json(d / "jail.json", {"links": links, "owners": owners, "taps": [],
+                                      "uid": vm.uid, "chroot": inside,
                                       "guest_version": vm.guest_version})  # fmt: skip
 
     # -- start, wait, shutdown ----------------------------------------------------------------
@@ -186,8 +199,9 @@ class QemuDriver:
         d = vm.directory
         with contextlib.suppress(FileNotFoundError):
             (d / "qmp.sock").unlink()
-        pid = await trio.to_thread.run_sync(_spawn, argv, d, incoming)
-        live = _Live(pid, os.pidfd_open(pid))
+        proc = await trio.to_thread.run_sync(_spawn, argv, d, incoming)
+        live = _Live(proc.pid, os.pidfd_open(proc.pid), popen=proc)
+        pid = proc.pid
         self._live[vm.id] = live
         (d / "qemu.pid").write_text(f"{pid}\n")
         try:
@@ -336,7 +350,8 @@ class QemuDriver:
         memory = vm.directory / "snapshot" / SNAPSHOT_FILE
         if not memory.exists():
             raise FeosError(Code.FAILED_PRECONDITION, f"microVM {vm.id} has no snapshot")
-        argv = [*json.loads((vm.directory / "config").read_text()), "-S", "-incoming", "fd:3"]
+        argv = json.loads((vm.directory / "config").read_text())
+        argv += ["-S", "-incoming", "fd:INCOMING"]
         await self._spawn(vm, argv, memory, within)
         live = self._live[vm.id]
         assert live.qmp is not None
@@ -358,12 +373,12 @@ class QemuDriver:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         self._live.pop(vm.id, None)
-        await trio.to_thread.run_sync(shutil.rmtree, vm.directory, True)
+        await trio.to_thread.run_sync(_undo_jail, vm.directory)
 
     async def adopt(self, vm: VmHandle) -> Adopted:
         d = vm.directory
         pid = _pid_of(d)
-        alive = pid is not None and _is_ours(pid, d)
+        alive = pid is not None and _is_ours(pid, vm.id, d)
         if not alive:
             return await self._adopt_gone(vm)
         assert pid is not None
@@ -413,8 +428,11 @@ class QemuDriver:
 # -- blocking helpers (worker threads) -----------------------------------------------------
 
 
-def _spawn(argv: list[str], d: Path, incoming: Path | None) -> int:
-    """QEMU in a session of its own, its console on console.in and serial.log."""
+def _spawn(argv: list[str], d: Path, incoming: Path | None) -> subprocess.Popen[bytes]:
+    """QEMU in a session of its own, in its directory, its console on console.in and serial.log.
+
+    The Popen is kept for the process's life (its finalizer would reap it otherwise); the
+    driver reaps it itself through its pidfd. "fd:INCOMING" in argv names the snapshot's fd."""
     opened: list[int] = []
     try:
         stdin = os.open(d / "console.in", os.O_RDWR | os.O_CLOEXEC)  # RDWR: never blocks
@@ -425,14 +443,15 @@ def _spawn(argv: list[str], d: Path, incoming: Path | None) -> int:
         stderr = os.open(d / "vmm.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
                          0o600)  # fmt: skip
         opened.append(stderr)
-        actions = [(os.POSIX_SPAWN_DUP2, stdin, 0), (os.POSIX_SPAWN_DUP2, stdout, 1),
-                   (os.POSIX_SPAWN_DUP2, stderr, 2)]  # fmt: skip
+        keep: tuple[int, ...] = ()
         if incoming is not None:
             fd = os.open(incoming, os.O_RDONLY | os.O_CLOEXEC)
             opened.append(fd)
-            actions.append((os.POSIX_SPAWN_DUP2, fd, 3))
+            keep = (fd,)
+            argv = [f"fd:{fd}" if a == "fd:INCOMING" else a for a in argv]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-        return os.posix_spawn(argv[0], argv, env, file_actions=actions, setsid=True)
+        return subprocess.Popen(argv, stdin=stdin, stdout=stdout, stderr=stderr, cwd=d, env=env,
+                                pass_fds=keep, start_new_session=True)  # fmt: skip
     finally:
         for fd in opened:
             os.close(fd)
@@ -476,27 +495,31 @@ def _pid_of(d: Path) -> int | None:
         return None
 
 
-def _is_ours(pid: int, d: Path) -> bool:
+def _is_ours(pid: int, vm_id: str, d: Path) -> bool:
+    """A live QEMU of this microVM: its name, and its root (chrooted) or working directory."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        places = {os.readlink(f"/proc/{pid}/root"), os.readlink(f"/proc/{pid}/cwd")}
     except OSError:
         return False
     state = stat.rpartition(")")[2].split()[0]
-    return state not in ("Z", "X") and cmdline_names(cmdline, d)
+    return state not in ("Z", "X") and cmdline_names(cmdline, vm_id) and str(d) in places
 
 
-def _link(src: Path, dst: Path, *, hard: bool) -> None:
+def _link(src: Path, dst: Path, *, hard: bool) -> bool:
+    """Link src in as dst: hard if it can (True), else a symlink (False)."""
     with contextlib.suppress(FileNotFoundError):
         dst.unlink()
     if hard:
         try:
-            os.link(src, dst)
-            return
+            os.link(src.resolve(), dst)
+            return True
         except OSError as exc:
             if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
                 raise
     dst.symlink_to(src)
+    return False
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -512,6 +535,18 @@ def _fsync_rename(src: Path, dst: Path) -> None:
     finally:
         os.close(fd)
     src.replace(dst)
+
+
+def _undo_jail(d: Path) -> None:
+    """What jail.json records: the disks' owners given back; then the directory goes."""
+    try:
+        jail = json.loads((d / "jail.json").read_text())
+    except (OSError, ValueError):
+        jail = {}
+    for name, (uid, gid) in jail.get("owners", {}).items():
+        with contextlib.suppress(OSError):
+            os.chown(d / name, uid, gid)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _discard_snapshot(d: Path) -> None:
@@ -594,10 +629,12 @@ def _punch(fd: int, offset: int, length: int) -> None:
 async def _migrated(qmp: Qmp) -> str:
     """Poll query-migrate until the outgoing migration ends; its status."""
     while True:
-        status = (await qmp.execute("query-migrate")).get("status", "none")
+        info = await qmp.execute("query-migrate")
+        status = info.get("status", "none")
         if status in ("completed", "failed", "cancelled"):
             if status != "completed":
-                raise FeosError(Code.INTERNAL, f"QEMU's snapshot {status}")
+                why = info.get("error-desc", "")
+                raise FeosError(Code.INTERNAL, f"QEMU's snapshot {status}: {why}")
             return str(status)
         await trio.sleep(0.005)
 

@@ -150,7 +150,8 @@ class _Vm:
     handle: VmHandle
     lock: trio.Lock = attrs.field(factory=trio.Lock)
     link: GuestLink | None = None
-    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)  # the link's and watcher's
+    scopes: list[trio.CancelScope] = attrs.field(factory=list)  # the link's and watchers'
+
     generation: int = 0
     suspending: bool = False
     deleted: bool = False
@@ -400,7 +401,8 @@ class MicroVms:
             return
         async with vm.lock:
             vm.deleted = True
-            vm.scope.cancel()
+            for scope in vm.scopes:
+                scope.cancel()
             await self._driver.delete(vm.handle)
             if self._cgroups is not None:
                 await trio.to_thread.run_sync(_cgroup_remove, self._cgroups, vm_id)
@@ -486,8 +488,12 @@ class MicroVms:
         self._nursery.start_soon(self._in_scope, vm, vm.link.run)
 
     async def _in_scope(self, vm: _Vm, fn: Callable[[], Awaitable[None]]) -> None:
-        with vm.scope:
-            await fn()
+        with trio.CancelScope() as scope:
+            vm.scopes.append(scope)
+            try:
+                await fn()
+            finally:
+                vm.scopes.remove(scope)
 
     def _watch(self, vm: _Vm) -> None:
         vm.generation += 1
