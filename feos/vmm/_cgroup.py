@@ -277,15 +277,19 @@ def _move(pid: int, cgroup_dir: Path) -> None:
             raise
 
 
-def prepare(layout: Layout, *, own_pids: Iterable[int] = ()) -> None:
-    """Make vms/ and, on v2, move `own_pids` (feosd's processes) into the leaf and enable the
-    controllers. Idempotent: a restart of feosd does it again over what is there."""
+def prepare(layout: Layout, *, own_pids: Iterable[int] | None = None) -> None:
+    """Make vms/ and, on v2, move feosd's processes into the leaf and enable the controllers.
+
+    `own_pids` defaults to every process in the base cgroup: all of them are feosd's (the task
+    service too), and the kernel enables no controller for children while one stays there.
+    Idempotent: a restart of feosd does it again over what is there."""
     dirs, writes = prepare_plan(layout)
     try:
         for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
         if isinstance(layout, V2Layout) and layout.leaf is not None:
-            for pid in own_pids:
+            pids = pids_in(layout.base) if own_pids is None else own_pids
+            for pid in pids:
                 _move(pid, layout.leaf)
         for w in writes:
             _write(w)

@@ -133,7 +133,7 @@ class FirecrackerDriver:
         if self._layout is None:
             self._layout = _cgroup.detect()
         if not self._prepared_cgroups:
-            _cgroup.prepare(self._layout, own_pids=[os.getpid()])
+            _cgroup.prepare(self._layout)
             self._prepared_cgroups = True
         return self._layout
 

@@ -114,3 +114,13 @@ def test_jailer_argv() -> None:
                                 metadata=False, netns="/run/netns/x")
     assert with_cg[11:15] == ["--netns", "/run/netns/x", "--cgroup-version", "2"]
     assert "--metadata" not in with_cg
+
+
+def test_the_driver_implements_the_interface(tmp_path: Path) -> None:
+    from feos.vmm._driver import Driver
+    from feos.vmm._firecracker import FirecrackerDriver
+
+    driver = FirecrackerDriver(tmp_path)
+    assert isinstance(driver, Driver)
+    assert driver.name == "firecracker"
+    assert driver.directory("abc") == tmp_path / "vms" / "firecracker" / "abc" / "root"
