@@ -43,7 +43,7 @@ interface GuestService {
   containerState @11 (name :Text) -> (status :Status, state :ContainerState);
   listContainers @12 () -> (status :Status, containers :List(ContainerState));
 
-  logs @13 (name :Text, which :LogStream, follow :Bool) -> (status :Status, stream :ByteStream);
+  logs @13 (name :Text, source :LogStream, follow :Bool) -> (status :Status, stream :ByteStream);
   # The container's output so far, and with follow what it writes until it stops.
 
   exec @14 (name :Text, command :List(Text), env :List(Text), stdin :Bool)

@@ -6,6 +6,7 @@ Options (all for running the agent outside a guest, as the tests do; the guest p
   --data DIR        the data volume (/data)         --volumes DIR  the volumes' mounts (/volumes)
   --run DIR         runtime files (/run/feos-guest) --crun-root DIR  crun's state (/run/crun)
   --drive N=PATH    the block device of drive N (default: by serial, else by place)
+  --crun-cgroups M  crun's --cgroup-manager (disabled: on a host with hybrid cgroups)
   --resolv-conf F   the guest's resolv.conf, which containers bind-mount (/run/resolv.conf)
   --sys-block DIR, --sys-net DIR   where drives and network devices are looked for (/sys/...)
 """
@@ -27,6 +28,7 @@ def parse(argv: list[str]) -> Options:
     opts = Options()
     names = {"--link": "link", "--data": "data_dir", "--volumes": "volumes_dir", "--run": "run_dir",
              "--crun-root": "crun_root", "--sys-block": "sys_block", "--resolv-conf": "resolv_conf",
+             "--crun-cgroups": "crun_cgroups",
              "--sys-net": "sys_net"}  # fmt: skip
     args = iter(argv)
     for arg in args:

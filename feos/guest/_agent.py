@@ -40,6 +40,7 @@ class Options:
         self.volumes_dir = "/volumes"
         self.run_dir = "/run/feos-guest"
         self.crun_root = "/run/crun"
+        self.crun_cgroups = ""  # crun's --cgroup-manager: "" its own (cgroupfs), or "disabled"
         self.resolv_conf = "/run/resolv.conf"  # the image's /etc/resolv.conf points there
         self.drives: dict[int, str] = {}
         self.sys_block = "/sys/block"  # tests point these at directories of their own
@@ -78,7 +79,8 @@ class Agent:
         self.images = ImageStore(opts.data_dir)
         self.resolv_conf = opts.resolv_conf
         self.containers = Containers(opts.data_dir, opts.volumes_dir, self.resolv_conf,
-                                     opts.crun_root, self.images, self.reaper)  # fmt: skip
+                                     opts.crun_root, opts.crun_cgroups, self.images,
+                                     self.reaper)  # fmt: skip
         self.done = asyncio.Event()
         self.reboot = False
         self._shutdown: asyncio.Future[None] | None = None

@@ -79,13 +79,15 @@ class Container:
 
 class Containers:
     def __init__(
-        self, data_dir: str, volumes_dir: str, resolv_conf: str, crun_root: str,
+        self, data_dir: str, volumes_dir: str, resolv_conf: str, crun_root: str, crun_cgroups: str,
         images: ImageStore, reaper: _proc.Reaper,
     ) -> None:  # fmt: skip
         self.root = os.path.join(data_dir, "containers")
         self.volumes_dir = volumes_dir
         self.resolv_conf = resolv_conf
         self.crun = ["crun", "--root", crun_root]
+        if crun_cgroups:
+            self.crun.append(f"--cgroup-manager={crun_cgroups}")
         self.images = images
         self.reaper = reaper
         self._all: dict[str, Container] = {}

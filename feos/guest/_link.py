@@ -42,7 +42,7 @@ class Link:
 class DeviceLink(Link):
     """The virtio-serial port: reads EOF and polls HUP while the node is not connected."""
 
-    def __init__(self, fd: int) -> None:  # noqa: super().__init__ takes a socket
+    def __init__(self, fd: int) -> None:  # not super().__init__: that one takes a socket
         os.set_blocking(fd, False)
         self.fd = fd
 

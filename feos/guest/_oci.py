@@ -100,7 +100,6 @@ def config(
             "cwd": cwd or "/",
             "noNewPrivileges": True,
             "capabilities": {k: CAPS for k in ("bounding", "effective", "permitted")},
-            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1048576, "soft": 1048576}],
         },
         "mounts": mounts,
         "linux": {

@@ -207,7 +207,7 @@ class GuestServer(guest.GuestService.Server):  # type: ignore[misc]
     async def logs_context(self, ctx: Any) -> None:
         async def body(p: Any, r: Any) -> None:
             c = self.a.containers.get(str(p.name))
-            which = LOG_STREAMS[str(p.which)]
+            which = LOG_STREAMS[str(p.source)]
             follow = bool(p.follow)
             r.stream = FileStream(c.log(which), c if follow else None)
 
