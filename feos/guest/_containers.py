@@ -24,7 +24,7 @@ from feos.errors import Code, FeosError
 
 from . import _oci, _proc, _validate
 from ._images import ImageStore, write_whole
-from ._registry import PullToken
+from ._token import PullToken
 
 CREATED, RUNNING, STOPPED = "created", "running", "stopped"
 STOP_TIMEOUT = 10.0

@@ -17,8 +17,8 @@ from typing import Any
 
 from feos.errors import Code, FeosError
 
-from . import _registry, _validate
-from ._registry import PullToken
+from . import _validate
+from ._token import PullToken
 
 LAYER_TYPES = {
     "application/vnd.oci.image.layer.v1.tar": "",
@@ -100,6 +100,8 @@ class ImageStore:
         return self.find(ref) or (await self.pull(text, token))[0]
 
     def _pull(self, text: str, ref: _validate.Reference, token: PullToken | None) -> Image:
+        from . import _registry  # http.client: only once an image is pulled (boot time)
+
         self._ensure_dirs()
         client = _registry.Client(ref, token)
         digest, manifest = client.manifest()
@@ -124,7 +126,7 @@ class ImageStore:
         write_whole(self._ref_path(ref), json.dumps(record).encode())
         return Image(record)
 
-    def _fetch(self, client: _registry.Client, digest: str) -> None:
+    def _fetch(self, client: Any, digest: str) -> None:
         path = self.blob_path(digest)
         if not os.path.exists(path):
             client.blob(digest, path)

@@ -16,6 +16,7 @@ from typing import Any
 
 from feos.errors import Code, FeosError
 
+from ._token import PullToken
 from ._validate import Reference
 
 INDEX_TYPES = (
@@ -29,26 +30,6 @@ MANIFEST_TYPES = (
 MAX_MANIFEST = 4 << 20
 TIMEOUT = 30.0
 PLATFORM = ("linux", "amd64")
-
-
-class PullToken:
-    """A registry's Bearer token: its repr and str never show it, and nothing writes it down."""
-
-    __slots__ = ("_secret",)
-
-    def __init__(self, secret: str) -> None:
-        self._secret = secret
-
-    def reveal(self) -> str:
-        return self._secret
-
-    def __repr__(self) -> str:
-        return "PullToken(<redacted>)"
-
-    __str__ = __repr__
-
-    def __reduce__(self) -> Any:
-        raise TypeError("a PullToken is not to be pickled")
 
 
 def api_host(registry: str) -> str:

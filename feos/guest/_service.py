@@ -14,9 +14,9 @@ from typing import Any
 from feos.errors import Code, FeosError, invalid
 
 from . import _containers, _system, _validate
-from ._registry import PullToken
 from ._schema import fill_status, guest
 from ._streams import FileStream, PipeStream, ProcessServer
+from ._token import PullToken
 
 LOG_STREAMS = {"stdout": "stdout", "stderr": "stderr"}
 

@@ -31,7 +31,8 @@ import pytest
 
 from feos.errors import Code, FeosError
 from feos.guest._images import ImageStore
-from feos.guest._registry import Client, PullToken
+from feos.guest._registry import Client
+from feos.guest._token import PullToken
 from feos.guest._validate import reference
 
 TOKEN = "s3cret-pull-token-for-tests"
