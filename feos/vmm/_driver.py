@@ -143,3 +143,11 @@ class Driver(Protocol):
     def late_snapshot(self, vm: VmHandle) -> bool:
         """Whether the late-snapshot marker is in the directory."""
         ...
+
+    def pid(self, vm: VmHandle) -> int | None:
+        """The VMM's pid while it runs (the service moves it into the microVM's cgroup)."""
+        ...
+
+    def close(self) -> None:
+        """Let go of every VMM without ending it: the service stops, the VMs run on."""
+        ...

@@ -34,7 +34,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -66,7 +65,6 @@ class _Live:
     exit: Exit | None = None
     ended: trio.Event = attrs.field(factory=trio.Event)
     reaping: bool = False
-    popen: Any = None  # kept so that its finalizer never reaps the process behind our back
 
 
 def exit_of(code: int | None, signo: int | None, guest_shutdown: bool) -> Exit:
@@ -199,9 +197,8 @@ class QemuDriver:
         d = vm.directory
         with contextlib.suppress(FileNotFoundError):
             (d / "qmp.sock").unlink()
-        proc = await trio.to_thread.run_sync(_spawn, argv, d, incoming)
-        live = _Live(proc.pid, os.pidfd_open(proc.pid), popen=proc)
-        pid = proc.pid
+        pid = await trio.to_thread.run_sync(_spawn, argv, d, incoming)
+        live = _Live(pid, os.pidfd_open(pid))
         self._live[vm.id] = live
         (d / "qemu.pid").write_text(f"{pid}\n")
         try:
@@ -275,6 +272,15 @@ class QemuDriver:
             with contextlib.suppress(ProcessLookupError, OSError):
                 signal.pidfd_send_signal(live.pidfd, signal.SIGKILL)
             await self._reap(vm_id, live)
+
+    def close(self) -> None:
+        """Let go of every process (they run on, for the next service to take over)."""
+        for live in self._live.values():
+            if live.qmp is not None:
+                live.qmp.close()
+            if not live.ended.is_set():
+                os.close(live.pidfd)
+        self._live.clear()
 
     def pid(self, vm: VmHandle) -> int | None:
         live = self._live.get(vm.id)
@@ -428,11 +434,12 @@ class QemuDriver:
 # -- blocking helpers (worker threads) -----------------------------------------------------
 
 
-def _spawn(argv: list[str], d: Path, incoming: Path | None) -> subprocess.Popen[bytes]:
+def _spawn(argv: list[str], d: Path, incoming: Path | None) -> int:
     """QEMU in a session of its own, in its directory, its console on console.in and serial.log.
 
-    The Popen is kept for the process's life (its finalizer would reap it otherwise); the
-    driver reaps it itself through its pidfd. "fd:INCOMING" in argv names the snapshot's fd."""
+    posix_spawn, not subprocess: a Popen's finalizer would reap the process, whose end the
+    driver reads itself through its pidfd. `env -C` gives it its working directory (relative
+    paths: see `config`) and execs QEMU in the same process. "fd:INCOMING" names the snapshot."""
     opened: list[int] = []
     try:
         stdin = os.open(d / "console.in", os.O_RDWR | os.O_CLOEXEC)  # RDWR: never blocks
@@ -443,15 +450,17 @@ def _spawn(argv: list[str], d: Path, incoming: Path | None) -> subprocess.Popen[
         stderr = os.open(d / "vmm.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
                          0o600)  # fmt: skip
         opened.append(stderr)
-        keep: tuple[int, ...] = ()
+        actions = [(os.POSIX_SPAWN_DUP2, stdin, 0), (os.POSIX_SPAWN_DUP2, stdout, 1),
+                   (os.POSIX_SPAWN_DUP2, stderr, 2)]  # fmt: skip
         if incoming is not None:
             fd = os.open(incoming, os.O_RDONLY | os.O_CLOEXEC)
             opened.append(fd)
-            keep = (fd,)
-            argv = [f"fd:{fd}" if a == "fd:INCOMING" else a for a in argv]
+            actions.append((os.POSIX_SPAWN_DUP2, fd, 3))
+            argv = ["fd:3" if a == "fd:INCOMING" else a for a in argv]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-        return subprocess.Popen(argv, stdin=stdin, stdout=stdout, stderr=stderr, cwd=d, env=env,
-                                pass_fds=keep, start_new_session=True)  # fmt: skip
+        envbin = shutil.which("env") or "/usr/bin/env"
+        return os.posix_spawn(envbin, [envbin, "-C", str(d), *argv], env,
+                              file_actions=actions, setsid=True)  # fmt: skip
     finally:
         for fd in opened:
             os.close(fd)

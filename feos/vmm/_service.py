@@ -216,6 +216,9 @@ class MicroVms:
                 task_status.started(self)
                 await trio.sleep_forever()
         finally:
+            close = getattr(self._driver, "close", None)
+            if close is not None:
+                close()
             for send in self._subscribers:
                 send.close()
             records = self._records
@@ -309,13 +312,15 @@ class MicroVms:
         return self._info(vm)
 
     async def _guest_shutdown(self, vm: _Vm) -> None:
-        """The agent's Shutdown first (it stops the containers, syncs): ACPI is the fallback."""
-        link = vm.link
-        if link is None or link.client is None:
+        """The agent's Shutdown first (it stops the containers, syncs): ACPI is the fallback.
+
+        A guest link still attaching (just after a start or a takeover) gets 5 s."""
+        if vm.link is None:
             return
         try:
             with trio.fail_after(GUEST_CALL_S):
-                await link.call(link.client.shutdown)
+                client = await vm.link.session(GUEST_CALL_S)
+                await vm.link.call(client.shutdown)
         except (FeosError, trio.TooSlowError) as exc:
             log.info("microVM %s: the guest's Shutdown failed (%s); ACPI", vm.record.id, exc)
 

@@ -1,0 +1,288 @@
+"""The microVM layer against real QEMU guests (TCG): boot, attach, clock, suspend and resume,
+takeover by a new service after kill -9, late snapshots, shutdown, crashes and faults.
+
+The VMs outlive each test's service, as they outlive feosd: the module keeps one state
+directory, and every test opens a new MicroVms on it (in its own trio run), which takes the VMs
+over. So two guests serve most tests; the faults boot two more. The pytest process is made a
+subreaper, as feosd is, so that a killed service's QEMUs become its children.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+
+import feos.rpc
+from feos.errors import Code, FeosError
+from feos.vmm._driver import VmSpec, VmState
+from feos.vmm._qemu import QemuDriver, _is_ours
+from feos.vmm._service import Crashed, GuestAttached, MicroVms, Stopped, Suspended, newest_guest
+
+A, B, C = "aaaaaaaaaaa", "bbbbbbbbbbb", "ccccccccccc"
+GUESTS = Path(os.environ.get("FEOS_GUEST_DIR", "/usr/lib/feos/guest"))
+PR_SET_CHILD_SUBREAPER = 36
+
+
+@attrs.frozen
+class Env:
+    state: Path
+    disks: Path
+
+    def disk(self, vm_id: str) -> str:
+        path = self.disks / f"{vm_id}.img"
+        if not path.exists():
+            _, gdir = newest_guest(GUESTS)
+            subprocess.run(["zstd", "-q", "-d", "-f", "--sparse", str(gdir / "data.img.zst"),
+                            "-o", str(path)], check=True)  # fmt: skip
+        return str(path)
+
+    def spec(self, vm_id: str, **kw: object) -> VmSpec:
+        return VmSpec(vcpus=1, memory_mib=512, data_disk=self.disk(vm_id), **kw)  # type: ignore[arg-type]
+
+    def pid(self, vm_id: str) -> int:
+        return int((self.state / "vms" / "qemu" / vm_id / "qemu.pid").read_text())
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    if os.geteuid() != 0:
+        pytest.fail("the QEMU tests need root (TAP-free, but chroot, runas and cgroups do)")
+    try:
+        newest_guest(GUESTS)
+    except FeosError as exc:
+        pytest.fail(f"no guest installed: {exc.message} (run hack/guest-image)")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    root = tmp_path_factory.mktemp("vmm")
+    e = Env(root / "state", root / "disks")
+    e.state.mkdir()
+    e.disks.mkdir()
+    try:
+        yield e
+    finally:
+        _kill_all(e.state)
+
+
+def _kill_all(state: Path) -> None:
+    """Every QEMU this module started, by the pid its directory names."""
+    for d in (state / "vms" / "qemu").glob("*"):
+        try:
+            pid = int((d / "qemu.pid").read_text())
+        except (OSError, ValueError):
+            continue
+        if _is_ours(pid, d.name, d):
+            os.kill(pid, signal.SIGKILL)
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+
+
+@pytest.fixture
+async def vms(env: Env) -> AsyncIterator[MicroVms]:
+    async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as inner:
+        service = await inner.start(MicroVms(env.state, env.state / "run", bridge,
+                                             attach_timeout=60, accel="tcg").run)  # fmt: skip
+        yield service
+        inner.cancel_scope.cancel()
+
+
+async def _events(recv: trio.MemoryReceiveChannel[object], within: float = 0.2) -> list[object]:
+    out = []
+    while True:
+        with trio.move_on_after(within):
+            out.append(await recv.receive())
+            continue
+        return out
+
+
+# -- the tests, in order: they share the module's two guests -------------------------------
+
+
+async def test_create_start_attach_and_clock(env: Env, vms: MicroVms) -> None:
+    events = vms.subscribe()
+    for vm_id in (A, B):
+        info = await vms.create(vm_id, env.spec(vm_id))
+        assert info.state is VmState.CREATED
+        assert info.accel == "tcg"
+        config = json.loads((env.state / "vms" / "qemu" / vm_id / "config").read_text())
+        assert "tsc_early_khz=" in " ".join(config)
+        assert "-chroot" in config
+    async with trio.open_nursery() as n:
+        for vm_id in (A, B):
+            n.start_soon(vms.start, vm_id)
+    for vm_id in (A, B):
+        info = vms.get(vm_id)
+        assert info.state is VmState.RUNNING
+        assert info.attached
+        guest = await vms.guest(vm_id)
+        before = time.time_ns()
+        guest_ns = await guest.get_time()
+        assert abs(guest_ns - before) < 2_000_000_000  # the wall time was pushed at attach
+        d = env.state / "vms" / "qemu" / vm_id
+        assert Path(f"/proc/{env.pid(vm_id)}/root").resolve() == d  # QEMU is chrooted
+        assert os.stat(f"/proc/{env.pid(vm_id)}").st_uid >= 2_000_000  # as its own user
+    got = await _events(events)
+    assert {e.id for e in got if isinstance(e, GuestAttached)} == {A, B}  # type: ignore[attr-defined]
+
+
+async def test_suspend_keeps_the_guest_and_resume_brings_it_back(env: Env, vms: MicroVms) -> None:
+    assert vms.get(A).state is VmState.RUNNING  # taken over from the test before
+    guest = await vms.guest(A)
+    ping = await guest.ping()
+    events = vms.subscribe()
+    started = time.monotonic()
+    info = await vms.suspend(A)
+    assert info.state is VmState.SUSPENDED
+    memory = env.state / "vms" / "qemu" / A / "snapshot" / "memory"
+    st = os.stat(memory)
+    assert st.st_size > 0
+    assert st.st_blocks * 512 < 512 << 20  # the zero pages are not in the snapshot
+    assert not Path(f"/proc/{env.pid(A)}").exists() or not _is_ours(env.pid(A), A, memory.parent.parent)
+    await trio.sleep(1)
+    info = await vms.resume(A)
+    assert info.state is VmState.RUNNING
+    assert not memory.exists()
+    again = await (await vms.guest(A)).ping()
+    assert again.boot_id == ping.boot_id  # the same boot: memory came back, no reboot
+    away_ns = int((time.monotonic() - started) * 1e9)
+    assert ping.uptime_ns < again.uptime_ns < ping.uptime_ns + away_ns - 500_000_000
+    assert Suspended(A) in await _events(events)
+
+
+async def test_takeover_after_kill_9(env: Env) -> None:
+    """A service in a process of its own suspends B, and dies by SIGKILL; a new one finds A
+    running (the same QEMU) and B suspended, and resumes B."""
+    pid_a = env.pid(A)
+    script = f"""
+import sys, trio, feos.rpc
+from pathlib import Path
+from feos.vmm._service import MicroVms
+async def main():
+    async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as n:
+        vms = await n.start(MicroVms(Path({str(env.state)!r}), Path("/tmp"), bridge, accel="tcg").run)
+        await vms.suspend({B!r})
+        print("READY", vms.get({A!r}).state.value, vms.get({B!r}).state.value, flush=True)
+        await trio.sleep_forever()
+trio.run(main)
+"""
+    proc = await trio.lowlevel.open_process([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        out = b""
+        with trio.fail_after(120):
+            while b"\n" not in out:
+                chunk = await proc.stdout.receive_some()
+                assert chunk, "the service in its own process ended early"
+                out += chunk
+        assert out.split() == [b"READY", b"running", b"suspended"]
+    finally:
+        proc.kill()  # SIGKILL: the service has no chance to let go of anything
+        await proc.wait()
+        if proc.stdout is not None:
+            await proc.stdout.aclose()
+    async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as n:
+        vms = await n.start(MicroVms(env.state, env.state / "run", bridge, accel="tcg").run)
+        assert vms.get(A).state is VmState.RUNNING
+        assert env.pid(A) == pid_a  # not restarted
+        assert vms.get(B).state is VmState.SUSPENDED
+        await (await vms.guest(A)).ping()
+        assert (await vms.resume(B)).state is VmState.RUNNING
+        await (await vms.guest(B)).ping()
+        n.cancel_scope.cancel()
+
+
+async def test_late_snapshot_is_busy_then_runs_again(env: Env) -> None:
+    async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as n:
+        slow = QemuDriver(env.state, max_bandwidth=20 << 20)  # 20 MiB/s: seconds of snapshot
+        vms = await n.start(MicroVms(env.state, env.state / "run", bridge, accel="tcg",
+                                     driver=slow, snapshot_timeout=0.3).run)  # fmt: skip
+        with pytest.raises(FeosError) as e:
+            await vms.suspend(B, purge_guest=False)
+        assert e.value.code == Code.UNAVAILABLE
+        assert e.value.busy
+        assert (env.state / "vms" / "qemu" / B / "late-snapshot").exists()
+        assert vms.get(B).state is VmState.BUSY
+        for call in (vms.suspend, vms.shutdown):
+            with pytest.raises(FeosError) as e:
+                await call(B)
+            assert e.value.busy
+        with pytest.raises(FeosError) as e:
+            await vms.guest(B, within=0.5)
+        assert e.value.busy
+        assert "the VM is busy" in e.value.message
+        with trio.fail_after(60):
+            while vms.get(B).state is not VmState.RUNNING:  # noqa: ASYNC110
+                await trio.sleep(0.1)
+        assert not (env.state / "vms" / "qemu" / B / "late-snapshot").exists()
+        assert not (env.state / "vms" / "qemu" / B / "snapshot" / "memory.part").exists()
+        await (await vms.guest(B)).ping()
+        n.cancel_scope.cancel()
+
+
+async def test_shutdown_is_stopped_and_a_killed_qemu_crashed(env: Env, vms: MicroVms) -> None:
+    events = vms.subscribe()
+    info = await vms.shutdown(A)
+    assert info.state is VmState.STOPPED
+    os.kill(env.pid(B), signal.SIGKILL)
+    with trio.fail_after(10):
+        while vms.get(B).state is not VmState.CRASHED:  # noqa: ASYNC110
+            await trio.sleep(0.05)
+    assert vms.get(B).reason == "QEMU was killed by signal 9"
+    got = await _events(events)
+    assert any(isinstance(e, Stopped) and e.id == A for e in got)
+    assert Crashed(B, "QEMU was killed by signal 9") in got
+
+
+async def test_a_qmp_that_does_not_answer_after_a_restart(env: Env) -> None:
+    async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as n:
+        vms = await n.start(MicroVms(env.state, env.state / "run", bridge, accel="tcg").run)
+        await vms.start(A)  # a stopped VM boots again
+        pid = env.pid(A)
+        n.cancel_scope.cancel()
+    os.kill(pid, signal.SIGSTOP)  # QEMU's socket accepts, but nothing answers
+    async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as n:
+        vms = await n.start(MicroVms(env.state, env.state / "run", bridge, accel="tcg").run)
+        info = vms.get(A)
+        assert info.state is VmState.CRASHED
+        assert "did not answer" in info.reason
+        assert not _is_ours(pid, A, env.state / "vms" / "qemu" / A)
+        n.cancel_scope.cancel()
+
+
+async def test_a_guest_that_never_attaches(env: Env) -> None:
+    async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as n:
+        vms = await n.start(MicroVms(env.state, env.state / "run", bridge, accel="tcg",
+                                     attach_timeout=6).run)  # fmt: skip
+        # The initramfs's shell as init: it waits on the console and never runs the agent.
+        await vms.create(C, env.spec(C, kernel_extra=("rdinit=/bin/sh",)))
+        with pytest.raises(FeosError) as e:
+            await vms.start(C)
+        assert e.value.code == Code.UNAVAILABLE
+        info = vms.get(C)
+        assert info.state is VmState.CRASHED
+        assert info.reason == "the guest did not attach within 6s"
+        n.cancel_scope.cancel()
+
+
+async def test_delete_removes_everything(env: Env, vms: MicroVms) -> None:
+    disk = Path(env.disk(A))
+    for vm_id in [v.id for v in vms.list()]:
+        await vms.delete(vm_id)
+    assert vms.list() == []
+    assert list((env.state / "vms" / "qemu").iterdir()) == []
+    assert os.stat(disk).st_uid == 0  # the disk's owner given back
+    with pytest.raises(FeosError) as e:
+        vms.get(A)
+    assert e.value.code == Code.NOT_FOUND
