@@ -93,7 +93,9 @@ class Registry:
 class AuthProxy:
     """Passes GETs on to a registry when they carry `Authorization: Bearer TOKEN`, else 401."""
 
-    def __init__(self, upstream: str, token: str = TOKEN, bind: str = "127.0.0.1") -> None:
+    def __init__(
+        self, upstream: str, token: str = TOKEN, bind: str = "127.0.0.1", port: int = 0
+    ) -> None:
         self.seen_auth: list[str] = []
         proxy = self
 
@@ -131,7 +133,7 @@ class AuthProxy:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer((bind, 0), Handler)
+        self.server = http.server.ThreadingHTTPServer((bind, port), Handler)
         self.port = int(self.server.server_address[1])
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -148,12 +150,12 @@ class AuthProxy:
 # Making and pushing images ------------------------------------------------------------------
 
 
-def tar_of(files: dict[str, bytes | str], mode: int = 0o755) -> bytes:
+def tar_of(files: dict[str, bytes | str], mode: int = 0o755, dirs: bool = True) -> bytes:
     """A layer: names to contents (bytes) or symlink targets ("->target")."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        dirs = sorted({os.path.dirname(n) for n in files if os.path.dirname(n)})
-        for d in dirs:
+        parents = sorted({os.path.dirname(n) for n in files if os.path.dirname(n)} if dirs else ())
+        for d in parents:
             info = tarfile.TarInfo(d)
             info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, 1
             tar.addfile(info)
@@ -409,6 +411,30 @@ def test_a_layer_cannot_write_outside_the_rootfs(registry: Registry, tmp_path: A
     push_image(registry.host, "feos/evil", "1", [evil], {})
     store = ImageStore(str(tmp_path / "store"))
     image, _ = asyncio.run(capnp.run(store.pull(f"{registry.host}/feos/evil:1", None)))
-    with pytest.raises(tarfile.OutsideDestinationError):
+    with pytest.raises(FeosError) as e:
         store.unpack(image, str(tmp_path / "store" / "rootfs"))
+    assert e.value.code == Code.FAILED_PRECONDITION
+    assert "outside the rootfs" in e.value.message
     assert not (tmp_path / "escaped").exists()
+
+
+def test_a_layer_cannot_write_through_a_symlink_out(registry: Registry, tmp_path: Any) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    lower = tar_of({"link": f"->{outside}"})
+    upper = tar_of({"link/planted": "x"}, dirs=False)  # no entry for link/ itself
+    push_image(registry.host, "feos/evil", "2", [lower, upper], {})
+    store = ImageStore(str(tmp_path / "store"))
+    image, _ = asyncio.run(capnp.run(store.pull(f"{registry.host}/feos/evil:2", None)))
+    with pytest.raises(FeosError) as e:
+        store.unpack(image, str(tmp_path / "store" / "rootfs"))
+    assert "goes through a link out of the rootfs" in e.value.message
+    assert not (outside / "planted").exists()
+
+
+if __name__ == "__main__":  # the integration test runs the proxy in a namespace of its own
+    import sys
+
+    server = AuthProxy(sys.argv[1], bind=sys.argv[2], port=int(sys.argv[3]))
+    print("listening", flush=True)
+    server.thread.join()
