@@ -33,8 +33,8 @@ from typing import Any, TypeVar
 
 import attrs
 import trio
-from pyroute2 import IPRoute
-from pyroute2.netlink.exceptions import NetlinkError
+from pyroute2 import IPRoute  # type: ignore[import-untyped]
+from pyroute2.netlink.exceptions import NetlinkError  # type: ignore[import-untyped]
 
 from feos.errors import Code, FeosError, invalid
 

@@ -25,10 +25,9 @@ from feos.errors import Code, FeosError
 
 from ._links import netns_entered
 from ._mmds import (
-    NEED_MORE,
     BadRequest,
     MmdsStore,
-    Request,
+    NeedMore,
     bad_request_response,
     parse_request,
 )
@@ -144,7 +143,7 @@ class MetadataServer:
         buf = b""
         for _ in range(MAX_REQUESTS_PER_CONNECTION):
             parsed = parse_request(buf)
-            while parsed is NEED_MORE:
+            while isinstance(parsed, NeedMore):
                 with trio.move_on_after(IDLE_TIMEOUT):
                     chunk = await conn.receive_some(65536)
                     if chunk:
@@ -155,9 +154,8 @@ class MetadataServer:
             if isinstance(parsed, BadRequest):
                 await conn.send_all(bad_request_response(parsed).encode(keep_alive=False))
                 return
-            req, used = parsed  # type: ignore[misc]
+            req, used = parsed
             buf = buf[used:]
-            assert isinstance(req, Request)
             answer = store.respond(req, self.clock())
             await conn.send_all(answer.encode(keep_alive=req.keep_alive))
             if not req.keep_alive:

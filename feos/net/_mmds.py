@@ -110,8 +110,12 @@ class BadRequest:
     reason: str
 
 
-NEED_MORE = object()
-ParseResult = tuple[Request, int] | BadRequest | object
+class NeedMore:
+    """The request goes on past the bytes read so far."""
+
+
+NEED_MORE = NeedMore()
+ParseResult = tuple[Request, int] | BadRequest | NeedMore
 
 
 def parse_request(buf: bytes) -> ParseResult:
