@@ -13,13 +13,13 @@ Import it with integration/ on sys.path (pytest puts it there for the tests in i
     # leaving the block kills QEMU (if it still runs) and removes nothing from tmp_path
 
 `GuestVM.boot(guest, workdir, *, floor=None, data=True, volumes=(), vcpus=1, memory_mib=512,
-tap=None, cmdline=(), timeout=60.0)`:
+tap=None, cmdline=(), timeout=60.0, cpu=None)`:
 - `guest` is a Guest (installed_guest() or Guest.at(dir)); `workdir` a directory the VM's files
   go into: guest.sock (the link), qmp.sock, serial.log, data.img (unpacked from data.img.zst with
   `zstd -d`, sparse), qemu.log (QEMU's own stderr).
 - `floor` "shell" or "python" adds feos.floor=...; `data=False` boots without a data disk;
   `volumes` are disk file paths, given as vol1, vol2, ...; `tap` a feos.vmm._qemu_argv.Tap;
-  `cmdline` extra kernel words; `timeout` bounds the whole VM's life: the process is killed after
+  `cmdline` extra kernel words; `cpu` QEMU's -cpu (default: max under TCG); `timeout` bounds the whole VM's life: the process is killed after
   it (every boot has one: a TCG boot can hang).
 - `vm.started` is time.monotonic() just before QEMU was started; every wait returns the seconds
   since then, so a caller times a boot without a clock of its own.
@@ -114,6 +114,7 @@ class GuestVM:
         tap: Tap | None = None,
         cmdline: Sequence[str] = (),
         timeout: float = 60.0,
+        cpu: str | None = None,
     ) -> GuestVM:
         work = Path(workdir)
         work.mkdir(parents=True, exist_ok=True)
@@ -129,7 +130,7 @@ class GuestVM:
             cmdline=kernel_cmdline(host_tsc_khz(), LINK_NAME, *words),
             vcpus=vcpus, memory_mib=memory_mib, drives=tuple(drives),
             link_socket=str(work / "guest.sock"), link_name=LINK_NAME, tap=tap,
-            qmp_socket=str(work / "qmp.sock"), serial_log=str(work / "serial.log"),
+            qmp_socket=str(work / "qmp.sock"), serial_log=str(work / "serial.log"), cpu=cpu,
         )  # fmt: skip
         return cls(config, work, timeout)
 
