@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -246,6 +247,12 @@ def test_a_container_runs_and_keeps_its_state(setup: dict[str, Any]) -> None:
     # The agent restarts (not the machine): it finds the container running and adopts it.
     agent.proc.kill()  # SIGTERM would be a shutdown, which stops the containers
     agent.proc.wait(10)
+    # The killed agent's last connection waits in the listener's backlog: a new listener.
+    agent.listener.close()
+    os.unlink(agent.sock_path)
+    agent.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    agent.listener.bind(agent.sock_path)
+    agent.listener.listen(8)
     agent.proc = subprocess.Popen(agent.proc.args, stdout=agent.log, stderr=subprocess.STDOUT)
 
     async def after_restart(c: GuestClient) -> tuple[Any, Any, Any, list[Any]]:
