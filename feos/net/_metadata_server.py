@@ -1,6 +1,6 @@
 """The node's metadata service for pods under QEMU (Firecracker answers MMDS in its own device).
 
-One listening socket per pod, bound to the pod's TAP (SO_BINDTODEVICE) at 169.254.169.254:80:
+One listening socket per pod, bound to the pod's TAP (SO_BINDTOIFINDEX) at 169.254.169.254:80:
 the pod is known by the TAP its connection came in on, never by an address it claims, and a
 connection on any other link finds no socket. The address is local only for packets that come
 in on a pod's TAP (the policy rule and table that feos.net._links sets up), so the node never
@@ -36,18 +36,33 @@ from ._options import METADATA4
 log = logging.getLogger(__name__)
 
 IP_TRANSPARENT = 19
+SO_BINDTOIFINDEX = 62  # SO_BINDTODEVICE by index: the very TAP whose index we read
 IDLE_TIMEOUT = 10.0
 MAX_REQUESTS_PER_CONNECTION = 100
 MAX_CONNECTIONS_PER_POD = 16
 
 
-def open_listener(tap: str, port: int = 80, netns: str | None = None) -> socket.socket:
-    """A TCP socket at 169.254.169.254:port that only `tap`'s traffic reaches (blocking: run it
-    on a worker thread, which enters `netns` for the socket's creation)."""
+def tap_index(tap: str, netns: str | None = None) -> int:
+    """The TAP's ifindex now, 0 if it is gone (blocking: a worker thread enters `netns`)."""
+    with netns_entered(netns):
+        try:
+            return socket.if_nametoindex(tap)
+        except OSError:
+            return 0
+
+
+def open_listener(tap: str, port: int = 80, netns: str | None = None) -> tuple[
+    socket.socket, int
+]:
+    """A TCP socket at 169.254.169.254:port that only `tap`'s traffic reaches, and the ifindex
+    it is bound to (blocking: run it on a worker thread, which enters `netns`)."""
     with netns_entered(netns):
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        index = tap_index(tap)
     try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, tap.encode())
+        if not index:
+            raise OSError(19, f"no device {tap}")
+        s.setsockopt(socket.SOL_SOCKET, SO_BINDTOIFINDEX, index)
         s.setsockopt(socket.SOL_IP, IP_TRANSPARENT, 1)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((str(METADATA4), port))
@@ -55,8 +70,8 @@ def open_listener(tap: str, port: int = 80, netns: str | None = None) -> socket.
         s.setblocking(False)
     except OSError as e:
         s.close()
-        raise FeosError(Code.UNAVAILABLE, f"the metadata service on {tap}: {e.strerror}") from None
-    return s
+        raise FeosError(Code.UNAVAILABLE, f"the metadata service on {tap}: {e}") from None
+    return s, index
 
 
 @attrs.define
@@ -65,6 +80,7 @@ class _Pod:
     scope: trio.CancelScope
     listener: trio.socket.SocketType
     slots: trio.Semaphore
+    ifindex: int  # SO_BINDTODEVICE holds the index: a TAP made anew needs a new socket
 
 
 class MetadataServer:
@@ -94,16 +110,21 @@ class MetadataServer:
             self._pods.clear()
 
     async def add_pod(self, tap: str, data: dict[str, Any]) -> None:
-        """Serve `data` on `tap`; a pod served already gets the new data and keeps its tokens."""
+        """Serve `data` on `tap` (call it after every make_tap); a pod served already gets the
+        new data, and a new socket if its TAP was made anew, and keeps its tokens."""
         if self._nursery is None:
             raise FeosError(Code.UNAVAILABLE, "the metadata service is not running")
-        if tap in self._pods:
-            self._pods[tap].store.data = data
-            return
-        raw = await trio.to_thread.run_sync(open_listener, tap, self.port, self.netns)
+        old = self._pods.get(tap)
+        if old is not None:
+            old.store.data = data
+            if await trio.to_thread.run_sync(tap_index, tap, self.netns) == old.ifindex:
+                return
+            self.remove_pod(tap)
+        raw, index = await trio.to_thread.run_sync(open_listener, tap, self.port, self.netns)
         listener = trio.socket.from_stdlib_socket(raw)
-        pod = _Pod(MmdsStore(data, self.random_bytes), trio.CancelScope(), listener,
-                   trio.Semaphore(MAX_CONNECTIONS_PER_POD))
+        store = old.store if old is not None else MmdsStore(data, self.random_bytes)
+        pod = _Pod(store, trio.CancelScope(), listener, trio.Semaphore(MAX_CONNECTIONS_PER_POD),
+                   index)
         self._pods[tap] = pod
         self._nursery.start_soon(self._accept, tap, pod)
 

@@ -21,8 +21,8 @@ from feos.net._options import parse_network_options
 OPTIONS = parse_network_options(pod_prefix="2001:db8:1::/64")
 
 
-async def _curl(ns: Any, *argv: str) -> tuple[int, str]:
-    done = await trio.run_process(["ip", "netns", "exec", ns.name, "curl", "-sS", "-m", "3",
+async def _curl(ns: Any, *argv: str, wait: str = "3") -> tuple[int, str]:
+    done = await trio.run_process(["ip", "netns", "exec", ns.name, "curl", "-sS", "-m", wait,
                                    *argv], capture_stdout=True, capture_stderr=True, check=False)
     return done.returncode, done.stdout.decode()
 
@@ -69,10 +69,11 @@ async def test_metadata_answers_its_pod_only(make_netns: Any) -> None:
         assert json.loads(body) == data
         rc, code = await _curl(pod, "-o", "/dev/null", "-w", "%{http_code}", f"{url}/feos")
         assert code == "401"
-        # The other pod's link has no listener: its connection is refused, and it never sees
-        # the first pod's metadata.
+        # The other pod's link has no listener: its connection gets no answer (not even a
+        # reset: the node does not hold the address to send one from), and it never sees the
+        # first pod's metadata.
         rc, body = await _curl(other, "-X", "PUT", f"{url}/latest/api/token",
-                               "-H", "X-metadata-token-ttl-seconds: 60")
+                               "-H", "X-metadata-token-ttl-seconds: 60", wait="1")
         assert rc != 0
         assert body == ""
         await server.add_pod(spec2.name, metadata_object("zzzzzzzzzzz", "2001:db8:1::3",
@@ -86,9 +87,18 @@ async def test_metadata_answers_its_pod_only(make_netns: Any) -> None:
         rc, code = await _curl(other, "-o", "/dev/null", "-w", "%{http_code}", *auth,
                                f"{url}/feos")
         assert code == "401"
+        # A TAP made anew (a resume) has a new index: add_pod binds a new socket to it, and the
+        # pod's tokens stay.
+        node.run("ip", "link", "del", spec2.name)
+        _pod_link(node, other, spec2.name, "169.254.16.2")
+        await make_tap(spec2, node.name)
+        await server.add_pod(spec2.name, metadata_object("zzzzzzzzzzz", "2001:db8:1::3",
+                                                         "169.254.16.2", {"v": "2"}))
+        assert await _curl(other, "-H", f"X-metadata-token: {token2}",
+                           f"{url}/metadata/v") == (0, "2")
         server.remove_pod(spec.name)
         rc, _ = await _curl(pod, "-X", "PUT", f"{url}/latest/api/token",
-                            "-H", "X-metadata-token-ttl-seconds: 60")
+                            "-H", "X-metadata-token-ttl-seconds: 60", wait="1")
         assert rc != 0
         nursery.cancel_scope.cancel()
     # The node itself does not hold 169.254.169.254: its own traffic to it is not ours.
