@@ -13,7 +13,9 @@ import struct
 import attrs
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
-DROP_REASONS = ("spoofed", "no-rule", "deny", "router-advertisement", "redirect", "invalid")
+# The table's reasons (feos.net._nft.REASONS) and a few spellings of them others may log.
+DROP_REASONS = ("spoofed", "router", "input", "invalid", "deny", "no-rule",
+                "router-advertisement", "redirect")
 _TAP = re.compile(r"^pod-[0-9a-z]{8,11}$")
 _HOSTNAME = re.compile(r"^[A-Za-z0-9_.-]{1,253}$")
 _IPV6_EXT = {0, 43, 44, 51, 60}
@@ -178,8 +180,8 @@ class DropPrefix:
 
 def parse_drop_prefix(prefix: str) -> DropPrefix:
     """The reason and the pod's TAP of a logged drop: words split by spaces or colons, one a
-    known reason, one a TAP name (the table logs "<reason> <TAP>", e.g. "deny pod-abc...")."""
-    words = [w for w in re.split(r"[\s:]+", prefix) if w]
+    known reason, one a TAP name (the table logs "feos:<reason>:<TAP>" or "feos:<reason>")."""
+    words = [w for w in re.split(r"[\s:]+", prefix) if w and w != "feos"]
     reason = next((w for w in words if w in DROP_REASONS), words[0] if words else "unknown")
     tap = next((w for w in words if _TAP.match(w)), None)
     return DropPrefix(reason, tap)

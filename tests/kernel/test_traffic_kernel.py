@@ -39,7 +39,7 @@ table inet feostest {{
   chain forward {{
     type filter hook forward priority 0; policy accept;
     iifname "pod-*" meta l4proto tcp ct direction original ct original packets < 5 log group 3
-    iifname "pod-*" tcp dport 9 log group 2 prefix "deny {TAP}" drop
+    iifname "pod-*" tcp dport 9 log group 2 prefix "feos:deny:{TAP}" drop
     ct state established,related accept
   }}
 }}

@@ -124,6 +124,10 @@ def test_drop_prefix() -> None:
     d = parse_drop_prefix("no-rule:pod-22222222 ")
     assert (d.reason, d.tap) == ("no-rule", "pod-22222222")
     assert parse_drop_prefix("spoofed").tap is None
+    d = parse_drop_prefix("feos:no-rule:pod-abcdefghjkm")  # as feos.net._nft logs them
+    assert (d.reason, d.tap) == ("no-rule", "pod-abcdefghjkm")
+    d = parse_drop_prefix("feos:input")
+    assert (d.reason, d.tap) == ("input", None)
     assert parse_drop_prefix("").reason == "unknown"
 
 
