@@ -39,13 +39,18 @@ async def guarded(name: str, context: Any, body: Callable[[Any, Any], Awaitable[
         )
 
 
-def _token(text: str) -> PullToken | None:
-    return PullToken(text) if text else None
+def _token(text: str, field: str = "pullToken") -> PullToken | None:
+    """The request's token, checked as an HTTP header value can carry it (never shown)."""
+    if not text:
+        return None
+    if len(text) > 16384 or not all("!" <= ch <= "~" for ch in text):
+        raise invalid(field, "visible ASCII characters, at most 16384 (the token is not shown)")
+    return PullToken(text)
 
 
 def container_config(c: Any) -> tuple[dict[str, Any], PullToken | None]:
     """A ContainerConfig as the plain dict the record keeps (the token apart, never kept)."""
-    token = _token(str(c.pullToken))
+    token = _token(str(c.pullToken), "config.pullToken")
     name = _validate.container_name("config.name", str(c.name))
     image = str(c.image)
     _validate.reference("config.image", image)

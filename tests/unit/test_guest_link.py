@@ -221,3 +221,16 @@ def test_code_names_match_the_schema() -> None:
     for name in _BY_NAME:
         assert f"  {name} @" in text
     assert code_name(Code.INVALID_ARGUMENT) == "invalidArgument"
+
+
+@given(st.text(max_size=50))
+def test_pull_tokens_are_header_safe_and_never_shown(text: str) -> None:
+    from feos.guest._service import _token
+
+    try:
+        token = _token(text)
+    except FeosError as e:
+        assert e.code == Code.INVALID_ARGUMENT
+        assert not text or text not in e.message
+        return
+    assert token is None or token.reveal().encode("ascii") == text.encode()

@@ -303,7 +303,7 @@ async def _send(c: GuestClient, req: tuple[Any, ...]) -> Any:
 
 
 @settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(requests=st.lists(_requests, min_size=1, max_size=12))
 def test_fuzzed_requests_never_end_the_agent(
