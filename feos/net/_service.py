@@ -1,0 +1,617 @@
+"""The pods' network as one service: feos.pods' PodNetworkService, implemented.
+
+Theory of operation. `Network.run` does the node's start-up steps (the old networks removed,
+forwarding, the prefix unreachable, feos-dns with the resolver's and OTLP's /32s), takes or
+binds the resolver's sockets, loads the address allocators past every kept pod's addresses and
+writes the table whole; then it serves: the resolver (answering only after `pods_loaded()`), the
+metadata server of QEMU pods, the traffic collectors, and the table's loop (a delta on each
+`pods_changed()` or group change, the whole table every minute with the node's addresses read
+anew). Without --pod-prefix, or when a start-up step fails, it logs why, serves nothing and
+`unavailable()` says why; feosd runs on.
+
+Which pods the network knows is a pure function (`known_pods`) of the pod service's view, the
+pods `prepare` was given (newer than the view may be) and the pods `remove` took off (until the
+view no longer lists them). What the resolver reads on every query, the pod by its IPv4 address
+and the name tables, are dicts replaced whole or a read-only view of the store: a lookup never
+waits for a write. Everything here runs on trio's thread; netlink, nft and fsync go to workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import logging
+import shutil
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+import trio
+from pyroute2 import IPRoute
+
+from feos.errors import Code, FeosError, invalid
+from feos.pods._network import GuestNetwork, Link, PodNet, PodsView
+
+from . import _nft as nft
+from ._addresses import Ipv4Allocator, Ipv6Allocator
+from ._dnsresolver import PodDns, QueryRecord
+from ._dnsserver import DnsServer
+from ._dnsupstream import validate_upstreams
+from ._groups import SecurityGroup, validate_pod_groups
+from ._links import (
+    TapSpec,
+    delete_tap,
+    guest_mac,
+    in_thread,
+    make_tap,
+    netns_entered,
+    prepare_node,
+    tap_name,
+)
+from ._listenfds import DnsSockets, bind_dns_sockets
+from ._metadata_server import MetadataServer
+from ._mmds import metadata_object, validate_metadata
+from ._nametable import NameTable, is_label
+from ._options import Addr, NetworkOptions
+from ._table import NftLoader, TableWriter
+from ._traffic import DnsQuery, PodDirectory, RecordHub, TrafficCollector, delete_conntrack
+from ._traffic import enable_accounting as _enable_accounting
+from ._traffic_service import TrafficService
+
+log = logging.getLogger(__name__)
+
+TABLE_INTERVAL = 60.0
+STARTING_REASON = "the pods' network is still starting"
+ULA = ipaddress.IPv6Network("fc00::/7")
+MESH_MTU, LINK_MTU = 1420, 1500
+OLD_DEVICES = ("feos-pods", "feos-nat64")  # the first version's bridge, the NAT64 version's
+OLD_IPV4_COUNTER = "next-address"
+OLD_NAT64_MAPS = Path("/sys/fs/bpf/feos/nat64")
+
+
+class KeptValues(Protocol):
+    """What the network reads of a store (feos._store.Store): never waits for a write."""
+
+    def get(self, record_id: str) -> Any: ...
+    def items(self) -> list[tuple[str, Any]]: ...
+    def __contains__(self, record_id: object) -> bool: ...
+
+
+# --- pure: what the network knows, and what the compiler and the resolver are given ----------
+
+
+@attrs.frozen
+class DnsRecord(DnsQuery):
+    """A DnsQuery record with what the schema's DnsQuery carries beyond the traffic module's."""
+
+    qtype_number: int = 0
+    rcode_number: int = 0
+    upstream: str = ""
+
+
+def known_pods(view: Iterable[PodNet], prepared: Mapping[str, PodNet],
+               removed: Container[str]) -> list[PodNet]:
+    """The view's pods, each replaced by the one `prepare` was given, without those removed."""
+    out = {p.id: p for p in view if p.id not in removed}
+    out.update((i, p) for i, p in prepared.items() if i not in removed)
+    return [out[i] for i in sorted(out)]
+
+
+def pod_addresses(pod: PodNet, options: NetworkOptions) -> tuple[
+    ipaddress.IPv6Address | None, ipaddress.IPv4Address | None
+]:
+    """The pod's addresses if they are of this network (the prefix, the range), else None."""
+    v6 = _parse(pod.ipv6, ipaddress.IPv6Address)
+    v4 = _parse(pod.ipv4, ipaddress.IPv4Address)
+    prefix = options.pod_prefix
+    return (v6 if v6 is not None and prefix is not None and v6 in prefix else None,
+            v4 if v4 is not None and v4 in options.ipv4_range else None)
+
+
+def _parse(text: str, kind: type[Any]) -> Any:
+    try:
+        return kind(text) if text else None
+    except ValueError:
+        return None
+
+
+def table_pods(pods: Iterable[PodNet], options: NetworkOptions,
+               groups: Container[str]) -> tuple[list[nft.PodNet], list[str]]:
+    """The compiler's pods, and the IDs left out: without this network's addresses, with an ID
+    that names no TAP, or naming a group the node lacks (such a pod cannot boot; leaving it out
+    keeps one pod's missing group from failing every pod's table)."""
+    out: list[nft.PodNet] = []
+    left: list[str] = []
+    for pod in pods:
+        v6, v4 = pod_addresses(pod, options)
+        tap = _tap_or_none(pod.id)
+        if v6 is None or v4 is None or tap is None or missing_groups(pod, groups):
+            left.append(pod.id)
+            continue
+        out.append(nft.PodNet(tap, v6, v4, tuple(pod.security_groups),
+                              local_metadata=pod.driver == "qemu"))
+    return out, left
+
+
+def _tap_or_none(pod_id: str) -> str | None:
+    try:
+        return tap_name(pod_id)
+    except FeosError:
+        return None
+
+
+def node_facts(options: NetworkOptions, node_addresses: Sequence[Addr]) -> nft.NodeFacts:
+    prefix = options.require_network()
+    return nft.NodeFacts(prefix, options.ipv4_range, options.dns_address, options.otlp_address,
+                         tuple(options.deny_prefixes), tuple(node_addresses))
+
+
+def compile_for(pods: Iterable[PodNet], options: NetworkOptions,
+                groups: Mapping[str, SecurityGroup], node_addresses: Sequence[Addr]) -> nft.Table:
+    """The whole table for these pods, groups and node addresses."""
+    chosen, _ = table_pods(pods, options, groups)
+    return nft.compile_table(chosen, groups, node_facts(options, node_addresses))
+
+
+def dns_pods(pods: Iterable[PodNet], options: NetworkOptions) -> dict[
+    ipaddress.IPv4Address, PodDns
+]:
+    """The resolver's pods by their IPv4 address; an upstream that does not parse is left out
+    (check_spec refused it at create: only a record of an older feosd can hold one)."""
+    out: dict[ipaddress.IPv4Address, PodDns] = {}
+    for pod in pods:
+        _, v4 = pod_addresses(pod, options)
+        if v4 is None:
+            continue
+        ups = tuple(a for a in (_parse_ip(u) for u in pod.dns_upstreams) if a is not None)
+        out[v4] = PodDns(pod.id, tuple(pod.name_tables), ups)
+    return out
+
+
+def _parse_ip(text: str) -> Addr | None:
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
+def missing_groups(pod: PodNet, groups: Container[str]) -> list[str]:
+    return [g for g in pod.security_groups if g not in groups]
+
+
+def missing_reason(pod: PodNet, groups: Container[str], tables: Container[str]) -> str | None:
+    """Why the pod cannot boot or resume here: the groups and tables the node lacks, or None."""
+    lacks = []
+    if gs := missing_groups(pod, groups):
+        lacks.append(f"the security groups {', '.join(gs)}")
+    if ts := [t for t in pod.name_tables if t not in tables]:
+        lacks.append(f"the name tables {', '.join(ts)}")
+    return f"pod {pod.id}: the node does not have {' and '.join(lacks)}" if lacks else None
+
+
+def guest_network_of(pod: PodNet, options: NetworkOptions) -> GuestNetwork:
+    v6 = ipaddress.IPv6Address(pod.ipv6)
+    return GuestNetwork(ipv6=str(v6), ipv4=pod.ipv4, resolver=str(options.dns_address),
+                        ula_only=v6 in ULA, mtu=LINK_MTU)
+
+
+def metadata_of(pod: PodNet) -> dict[str, Any]:
+    """The object the metadata service holds for the pod (its spec's metadata checked at create;
+    a record that holds no object gives an empty one)."""
+    try:
+        spec = json.loads(pod.metadata_json) if pod.metadata_json else {}
+    except ValueError:
+        spec = {}
+    return metadata_object(pod.id, pod.ipv6, pod.ipv4, spec if isinstance(spec, dict) else {})
+
+
+def dns_record(q: QueryRecord) -> DnsRecord:
+    """A resolver's record of an answered query as a traffic record."""
+    from ._dnsmsg import type_name  # the one table of type mnemonics
+
+    rcodes = {0: "NOERROR", 1: "FORMERR", 2: "SERVFAIL", 3: "NXDOMAIN", 4: "NOTIMP", 5: "REFUSED"}
+    return DnsRecord(q.pod or "", q.name, type_name(q.qtype), rcodes.get(q.rcode, str(q.rcode)),
+                        tuple(q.answers), q.time, qtype_number=q.qtype, rcode_number=q.rcode,
+                        upstream=q.upstream or "")
+
+
+def read_node_addresses(ipr: IPRoute) -> tuple[Addr, ...]:
+    """The node's own global addresses (link-local and loopback ones are denied anyway)."""
+    found: set[Addr] = set()
+    for m in ipr.get_addr():
+        text = m.get("IFA_ADDRESS")
+        addr = _parse_ip(text.split("%")[0]) if text else None
+        if addr is not None and not (addr.is_link_local or addr.is_loopback):
+            found.add(addr)
+    return tuple(sorted(found, key=lambda a: (a.version, int(a))))
+
+
+def pod_links(ipr: IPRoute) -> dict[str, int]:
+    """The node's pod-* devices by name, with their ifindex."""
+    out = {}
+    for link in ipr.get_links():
+        name = link.get("IFLA_IFNAME") or ""
+        if name.startswith("pod-"):
+            out[name] = link["index"]
+    return out
+
+
+def _remove_old_devices(ipr: IPRoute) -> list[str]:
+    gone = []
+    for name in OLD_DEVICES:
+        found = ipr.link_lookup(ifname=name)
+        if found:
+            ipr.link("del", index=found[0])
+            gone.append(name)
+    return gone
+
+
+class _StoreMapping(Mapping[str, Any]):
+    """A store read as a mapping, for the resolver: lookups of what is kept, never a copy."""
+
+    def __init__(self, store: KeptValues) -> None:
+        self._store = store
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._store.get(key)
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self._store.get(key)
+        return default if value is None else value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([k for k, _ in self._store.items()])
+
+    def __len__(self) -> int:
+        return len(self._store.items())
+
+
+def _store_of(service_or_store: Any) -> KeptValues:
+    """SecurityGroupService and NameTableService keep theirs in `.store`; a store is taken as is."""
+    return getattr(service_or_store, "store", service_or_store)  # type: ignore[no-any-return]
+
+
+# --- the service ----------------------------------------------------------------------------
+
+
+class Network:
+    """The pods' network (feos.pods._network.PodNetworkService)."""
+
+    def __init__(self, options: NetworkOptions, state_dir: Path, pods: PodsView,
+                 groups_store: Any, tables_store: Any, *, netns: str | None = None,
+                 dns_sockets: DnsSockets | None = None,
+                 table_interval: float = TABLE_INTERVAL) -> None:
+        self.options = options
+        self.pods_dir = Path(state_dir) / "pods"
+        self.view = pods
+        self.groups = _store_of(groups_store)
+        self.tables = _store_of(tables_store)
+        self.netns = netns
+        self.dns_sockets = dns_sockets
+        self.table_interval = table_interval
+        self.hub = RecordHub()
+        self.directory = PodDirectory()
+        self.traffic = TrafficService(self.hub, self.unavailable)
+        self._reason: str | None = options.unavailable_reason or STARTING_REASON
+        self._v6: Ipv6Allocator | None = None
+        self._v4: Ipv4Allocator | None = None
+        self._alloc_lock = trio.Lock()
+        self._table_lock = trio.Lock()
+        self._loader: NftLoader | None = None
+        self._writer: TableWriter | None = None
+        self._wake_send, self._wake_receive = trio.open_memory_channel[None](1)
+        self._loaded = trio.Event()
+        self._dns: DnsServer | None = None
+        self._dns_pods: dict[ipaddress.IPv4Address, PodDns] = {}
+        self._metadata = MetadataServer(netns=netns)
+        self._prepared: dict[str, PodNet] = {}
+        self._removed: set[str] = set()
+        self._ifindex: dict[str, int] = {}
+        self._node_addresses: tuple[Addr, ...] = ()
+        self._directory_ids: set[str] = set()
+        self._tables_view: Mapping[str, NameTable] = _StoreMapping(self.tables)
+        self._chain_group_changes(groups_store)
+
+    def _chain_group_changes(self, groups_store: Any) -> None:
+        # SecurityGroupService calls on_change after a put or delete is kept: the table follows.
+        before = getattr(groups_store, "on_change", None)
+        if before is None:
+            return
+
+        def changed() -> None:
+            before()
+            self.pods_changed()
+
+        groups_store.on_change = changed
+
+    # --- PodNetworkService --------------------------------------------------------------------
+
+    def unavailable(self) -> str | None:
+        return self._reason
+
+    def check_spec(self, pod: PodNet) -> None:
+        self._require()
+        validate_pod_groups(list(pod.security_groups), "spec.network.security_groups")
+        for i, t in enumerate(pod.name_tables):
+            if not is_label(t):
+                raise invalid(f"spec.network.name_tables[{i}]", "must be one lowercase DNS label")
+        o = self.options
+        validate_upstreams(list(pod.dns_upstreams), resolver=o.dns_address,
+                           denied=o.deny_prefixes, pod_prefix=o.pod_prefix,
+                           pod_ipv4_range=o.ipv4_range, node_addresses=self._node_addresses)
+        try:
+            spec = json.loads(pod.metadata_json) if pod.metadata_json else {}
+        except ValueError as e:
+            raise invalid("spec.metadata", f"must be JSON ({e})") from None
+        validate_metadata(spec)
+
+    async def allocate(self, pod: PodNet) -> PodNet:
+        self._require()
+        v6, v4 = pod_addresses(pod, self.options)
+        async with self._alloc_lock:
+            if v6 is None:
+                v6 = await trio.to_thread.run_sync(self._allocators()[0].allocate)
+            if v4 is None:
+                v4 = await trio.to_thread.run_sync(self._allocators()[1].allocate)
+        self._removed.discard(pod.id)
+        return attrs.evolve(pod, ipv6=str(v6), ipv4=str(v4))
+
+    async def prepare(self, pod: PodNet) -> Link:
+        self._require()
+        reason = missing_reason(pod, self.groups, self.tables)
+        if reason is not None:
+            raise FeosError(Code.FAILED_PRECONDITION, reason)
+        v6, v4 = pod_addresses(pod, self.options)
+        if v6 is None or v4 is None:
+            raise FeosError(Code.FAILED_PRECONDITION,
+                            f"pod {pod.id} has no addresses of this network: allocate first")
+        tap = tap_name(pod.id)
+        qemu = pod.driver == "qemu"
+        spec = TapSpec(tap, v6, v4, self.options.dns_address, self.options.otlp_address,
+                       owner_uid=pod.tap_owner_uid, metadata=qemu)
+        self._ifindex[tap] = await make_tap(spec, self.netns)
+        self._removed.discard(pod.id)
+        self._prepared[pod.id] = pod
+        self._refresh()
+        await self._write_table(full=False, raise_errors=True)
+        if qemu:
+            await self._metadata.add_pod(tap, metadata_of(pod))
+        else:
+            self._metadata.remove_pod(tap)
+        return Link(tap, guest_mac(pod.id))
+
+    def guest_network(self, pod: PodNet) -> GuestNetwork:
+        return guest_network_of(pod, self.options)
+
+    async def remove(self, pod: PodNet) -> None:
+        tap = _tap_or_none(pod.id)
+        self._removed.add(pod.id)
+        self._prepared.pop(pod.id, None)
+        self._refresh()  # off the resolver; the traffic records name it by its addresses a while
+        if self._reason is not None:
+            return  # nothing of it was set up here
+        if tap is not None:
+            self._metadata.remove_pod(tap)
+            await delete_tap(tap, self.netns)
+            self._ifindex.pop(tap, None)
+        v6, v4 = pod_addresses(pod, self.options)
+        addrs = [a for a in (v6, v4) if a is not None]
+        if addrs:
+            await delete_conntrack(addrs, self.netns)
+        await self._write_table(full=False, raise_errors=True)
+        if v4 is not None:
+            async with self._alloc_lock:
+                await trio.to_thread.run_sync(self._allocators()[1].release, v4)
+
+    def pods_changed(self) -> None:
+        self._refresh()
+        with contextlib.suppress(trio.WouldBlock):
+            self._wake_send.send_nowait(None)  # one pending wakeup covers every change since
+
+    def pods_loaded(self) -> None:
+        """The pod service went through its pods (kept pods have their addresses): the resolver
+        answers from now on, running pods get their metadata service back."""
+        self._loaded.set()
+
+    # --- run ----------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if self.options.pod_prefix is None:
+            log.warning("%s", self._reason)
+            task_status.started()
+            return
+        try:
+            await self._start()
+        except (FeosError, OSError) as e:
+            why = e.message if isinstance(e, FeosError) else str(e)
+            self._reason = f"the pods' network could not be set up: {why}"
+            log.error("%s", self._reason)
+            task_status.started()
+            return
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self._metadata.serve)
+                assert self._dns is not None
+                await nursery.start(self._dns.serve)
+                await nursery.start(self._collect)
+                nursery.start_soon(self._table_loop)
+                nursery.start_soon(self._when_loaded)
+                self._reason = None
+                log.info("the pods' network is up (%s, %s)", self.options.pod_prefix,
+                         self.options.ipv4_range)
+                task_status.started()
+        finally:
+            self._reason = "the pods' network stopped"
+            if self._loader is not None:
+                self._loader.close()
+
+    async def _start(self) -> None:
+        await trio.to_thread.run_sync(lambda: self.pods_dir.mkdir(parents=True, exist_ok=True))
+        await self._remove_old_network()
+        await prepare_node(self.options, self.netns)
+        if self.dns_sockets is None:
+            self.dns_sockets = await trio.to_thread.run_sync(
+                _bind_in, self.netns, self.options.dns_address)
+        kept = known_pods(self.view.network_pods(), {}, ())
+        self._v6, self._v4 = await trio.to_thread.run_sync(self._load_allocators, kept)
+        self._node_addresses = await in_thread(self.netns, read_node_addresses)
+        self._loader = NftLoader(self.netns)
+        self._writer = TableWriter(self._loader)
+        self._refresh()
+        await self._write_table(full=True, raise_errors=True)
+        await self._enable_accounting()
+        self._dns = DnsServer(self.dns_sockets, pod_for=self._dns_pods_get,
+                              name_tables=lambda: self._tables_view,
+                              on_record=self._on_dns_record,
+                              default_upstreams=tuple(self.options.dns_upstreams))
+
+    def _load_allocators(self, kept: Sequence[PodNet]) -> tuple[Ipv6Allocator, Ipv4Allocator]:
+        prefix = self.options.require_network()
+        held = [pod_addresses(p, self.options) for p in kept]
+        try:
+            v6 = Ipv6Allocator(self.pods_dir, prefix, [a for a, _ in held if a is not None])
+            v4 = Ipv4Allocator(self.pods_dir, self.options.ipv4_range,
+                               [b for _, b in held if b is not None])
+        except OSError as e:
+            raise FeosError(Code.UNAVAILABLE, f"the address files in {self.pods_dir}: {e}") from e
+        return v6, v4
+
+    async def _remove_old_network(self) -> None:
+        """What the first version (a bridge) and the NAT64 version left; every part optional."""
+        try:
+            gone = await in_thread(self.netns, _remove_old_devices)
+        except Exception as e:  # pyroute2's errors: a leftover we cannot remove is only logged
+            log.warning("the old pods' network's devices: %s", e)
+            gone = []
+        loader = NftLoader(self.netns)
+        try:
+            await loader.run("list table bridge feos")
+            await loader.run("delete table bridge feos")
+            gone.append("table bridge feos")
+        except FeosError:
+            pass  # none there, or a kernel without the bridge family, which has none
+        finally:
+            loader.close()
+        gone += await trio.to_thread.run_sync(_remove_old_files, self.pods_dir, self.netns)
+        if gone:
+            log.info("removed what older pods' networks left: %s", ", ".join(gone))
+
+    async def _enable_accounting(self) -> None:
+        try:
+            await trio.to_thread.run_sync(_enable_accounting, self.netns)
+        except FeosError as e:
+            log.warning("traffic records: %s", e.message)
+
+    async def _collect(self, *, task_status: trio.TaskStatus[None]) -> None:
+        """The conntrack and nflog collectors; without them the network serves on, unrecorded."""
+        self.directory.resolver = {self.options.dns_address}
+        started = False
+        try:
+            collector = TrafficCollector(self.hub, self.directory, self.netns)
+
+            async def ready_is_ours(*, task_status: trio.TaskStatus[None]) -> None:
+                await collector.run(task_status=task_status)
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(ready_is_ours)
+                started = True
+                task_status.started()
+        except (OSError, FeosError) as e:
+            log.error("traffic records: the collectors stopped: %s", e)
+            if not started:
+                task_status.started()
+
+    async def _when_loaded(self) -> None:
+        await self._loaded.wait()
+        links = await in_thread(self.netns, pod_links)
+        self._ifindex.update(links)
+        self._refresh()
+        for pod in self._known():
+            tap = _tap_or_none(pod.id)
+            if pod.driver == "qemu" and tap in links:
+                await self._metadata.add_pod(tap, metadata_of(pod))  # a running pod's, again
+        assert self._dns is not None
+        self._dns.pods_loaded()
+        self.pods_changed()
+
+    async def _table_loop(self) -> None:
+        while True:
+            with trio.move_on_after(self.table_interval) as scope:
+                await self._wake_receive.receive()
+            full = scope.cancelled_caught
+            if full:  # every minute: the node's addresses anew, and the table whole
+                with contextlib.suppress(Exception):
+                    self._node_addresses = await in_thread(self.netns, read_node_addresses)
+            await self._write_table(full=full, raise_errors=False)
+
+    async def _write_table(self, *, full: bool, raise_errors: bool) -> None:
+        assert self._writer is not None
+        async with self._table_lock:
+            try:
+                table = compile_for(self._known(), self.options, dict(self.groups.items()),
+                                    self._node_addresses)
+                await self._writer.write(table, full=full)
+            except FeosError as e:
+                if raise_errors:
+                    raise
+                log.error("the pods' table was not written: %s", e)
+
+    # --- the views ----------------------------------------------------------------------------
+
+    def _known(self) -> list[PodNet]:
+        view = self.view.network_pods()
+        listed = {p.id for p in view}
+        self._removed &= listed  # a pod the view no longer lists needs no reminder
+        return known_pods(view, self._prepared, self._removed)
+
+    def _refresh(self) -> None:
+        """The resolver's pods and the traffic records' directory, from the pods known now."""
+        pods = self._known()
+        self._dns_pods = dns_pods(pods, self.options)  # replaced whole: lookups never see a mix
+        known = {p.id for p in pods}
+        for pod_id in [p for p in list(self._directory_ids) if p not in known]:
+            self.directory.remove(pod_id)
+        for pod in pods:
+            v6, v4 = pod_addresses(pod, self.options)
+            tap = _tap_or_none(pod.id)
+            self.directory.add(pod.id, [a for a in (v4, v6) if a is not None], tap,
+                               self._ifindex.get(tap) if tap else None)
+        self._directory_ids = known
+
+    def _dns_pods_get(self, address: ipaddress.IPv4Address) -> PodDns | None:
+        return self._dns_pods.get(address)
+
+    def _on_dns_record(self, q: QueryRecord) -> None:
+        self.hub.publish(dns_record(q))
+
+    def _require(self) -> None:
+        if self._reason is not None:
+            raise FeosError(Code.FAILED_PRECONDITION, self._reason)
+
+    def _allocators(self) -> tuple[Ipv6Allocator, Ipv4Allocator]:
+        if self._v6 is None or self._v4 is None:
+            raise FeosError(Code.FAILED_PRECONDITION, self._reason or STARTING_REASON)
+        return self._v6, self._v4
+
+
+def _remove_old_files(pods_dir: Path, netns: str | None) -> list[str]:
+    """The NAT64 version's IPv4 counter, and its pinned maps (the node's own, not a test's)."""
+    gone = []
+    old = pods_dir / OLD_IPV4_COUNTER
+    if old.exists():
+        old.unlink()
+        gone.append(str(old))
+    if netns is None and OLD_NAT64_MAPS.exists():
+        shutil.rmtree(OLD_NAT64_MAPS, ignore_errors=True)
+        gone.append(str(OLD_NAT64_MAPS))
+    return gone
+
+
+def _bind_in(netns: str | None, address: ipaddress.IPv4Address) -> DnsSockets:
+    with netns_entered(netns):
+        return bind_dns_sockets(address)
