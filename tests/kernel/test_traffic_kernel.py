@@ -40,6 +40,7 @@ table inet feostest {{
     type filter hook forward priority 0; policy accept;
     iifname "pod-*" meta l4proto tcp ct direction original ct original packets < 5 log group 3
     iifname "pod-*" tcp dport 9 log group 2 prefix "feos:deny:{TAP}" drop
+    iifname "pod-*" tcp dport 10 log group 2 prefix "feos:no-rule" drop
     ct state established,related accept
   }}
 }}
@@ -147,19 +148,21 @@ async def test_flows_names_drops_and_deletion(world: World) -> None:
                              f"http://{SERVER}:8080/") == 0
         await _in_pod(w, sys.executable, "-c", TLS_CLIENT)
         assert await _in_pod(w, "curl", "-sS", "-m", "1", f"http://{SERVER}:9/") != 0
+        assert await _in_pod(w, "curl", "-sS", "-m", "1", f"http://{SERVER}:10/") != 0
 
         def names_and_drop(got: list[Any]) -> bool:
             kinds = {(type(r).__name__, getattr(r, "kind", None)) for r in got}
-            return {("ServerName", "http"), ("ServerName", "tls"), ("Drop", None)} <= kinds
+            reasons = {r.reason for r in got if isinstance(r, Drop)}
+            return {("ServerName", "http"), ("ServerName", "tls")} <= kinds and {
+                "deny", "no-rule"} <= reasons
 
         got = await _collect(rx, names_and_drop)
         names = {(r.kind, r.name, r.dport) for r in got if isinstance(r, ServerName)}
         assert ("http", "web.example.test", 8080) in names
         assert ("tls", "sni.example.test", 8443) in names
-        drops = [r for r in got if isinstance(r, Drop)]
-        assert drops
-        assert (drops[0].pod_id, drops[0].reason, drops[0].dst, drops[0].dport) == (
-            "abcdefghjkm", "deny", SERVER, 9)
+        drops = {(r.pod_id, r.reason, r.dst, r.dport) for r in got if isinstance(r, Drop)}
+        assert ("abcdefghjkm", "deny", SERVER, 9) in drops  # the TAP from the prefix
+        assert ("abcdefghjkm", "no-rule", SERVER, 10) in drops  # the TAP from the input device
         assert all(r.pod_id == "abcdefghjkm" for r in got)
 
         # Deleting the pod's connections ends them: their destroy events become its flows.
