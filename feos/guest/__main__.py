@@ -19,7 +19,7 @@ import signal
 import sys
 import traceback
 
-import capnp
+import capnp  # type: ignore[import-untyped]
 
 from ._agent import Agent, Options
 
@@ -48,10 +48,15 @@ def parse(argv: list[str]) -> Options:
 async def _amain(agent: Agent) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # SIGINT: Ctrl-Alt-Del when PID 1
-        loop.add_signal_handler(sig, lambda: agent.done.is_set() or agent.request_shutdown(False))
+        loop.add_signal_handler(sig, _on_signal, agent)
     if agent.opts.pid1:
         loop.call_later(1.0, _take_ctrl_alt_del)
     await agent.run()
+
+
+def _on_signal(agent: Agent) -> None:
+    if not agent.done.is_set() and agent._shutdown is None:
+        agent.request_shutdown(False)
 
 
 def _take_ctrl_alt_del() -> None:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import capnp
+import capnp  # type: ignore[import-untyped]
 
 from feos.errors import Code, FeosError
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import attrs
-import capnp
+import capnp  # type: ignore[import-untyped]
 
 from feos.errors import Code, FeosError
 

@@ -146,7 +146,7 @@ class Containers:
             raise FeosError(Code.NOT_FOUND, f"no container {name}")
         return c
 
-    def list(self) -> list[Container]:
+    def all(self) -> list[Container]:
         return [self._all[n] for n in sorted(self._all)]
 
     # Lifecycle ----------------------------------------------------------------------------
@@ -272,7 +272,7 @@ class Containers:
             await asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, gone, True)
 
     async def stop_all(self, timeout: float) -> None:  # noqa: ASYNC109
-        await asyncio.gather(*(self.stop(c.name, signal.SIGTERM, timeout) for c in self.list()),
+        await asyncio.gather(*(self.stop(c.name, signal.SIGTERM, timeout) for c in self.all()),
                              return_exceptions=True)  # fmt: skip
 
     def exec(

@@ -15,6 +15,7 @@ import select
 import socket
 
 from ._hello import Hello, Scanner
+from ._proc import _set
 
 CHUNK = 65536
 
@@ -80,7 +81,7 @@ class DeviceLink(Link):
             if event == select.POLLIN
             else (loop.add_writer, loop.remove_writer)
         )
-        add(self.fd, lambda: fut.done() or fut.set_result(None))
+        add(self.fd, _set, fut)
         try:
             await fut
         finally:

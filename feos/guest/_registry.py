@@ -203,7 +203,7 @@ class Client:
         if scheme.lower() != "bearer" or "realm" not in fields:
             return ""
         realm = urllib.parse.urlsplit(fields["realm"])
-        asked = {k: fields[k] for k in ("service", "scope") if k in fields}
+        asked: dict[str, str] = {k: fields[k] for k in ("service", "scope") if k in fields}
         asked.setdefault("scope", f"repository:{self.ref.repository}:pull")
         query = urllib.parse.urlencode(asked)
         url = realm._replace(query=(realm.query + "&" if realm.query else "") + query)

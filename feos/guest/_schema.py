@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import capnp
+import capnp  # type: ignore[import-untyped]
 
 from feos.errors import Code, FeosError
 

@@ -203,7 +203,7 @@ class GuestServer(guest.GuestService.Server):  # type: ignore[misc]
 
     async def listContainers_context(self, ctx: Any) -> None:
         async def body(p: Any, r: Any) -> None:
-            all_ = self.a.containers.list()
+            all_ = self.a.containers.all()
             for target, c in zip(r.init("containers", len(all_)), all_, strict=True):
                 fill_state(target, c)
 

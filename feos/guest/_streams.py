@@ -8,7 +8,7 @@ from typing import Any
 
 from feos.errors import Code, FeosError
 
-from ._proc import Child
+from ._proc import Child, _set
 from ._schema import fill_status, guest
 
 DEFAULT_READ = 65536
@@ -26,7 +26,7 @@ async def _wait_fd(fd: int, write: bool) -> None:
     add, remove = (
         (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
     )
-    add(fd, lambda: fut.done() or fut.set_result(None))
+    add(fd, _set, fut)
     try:
         await fut
     finally:
