@@ -95,6 +95,8 @@ ROOT_TRIM = (
     "var/log",
 )
 
+SITE_TRIM = ("*.cpp", "*.pyx", "*.pxd", "*.h")
+
 
 def mirror_from_sources(text: str, suite: str = SUITE) -> str | None:
     """The URI of the first deb822 stanza (debian.sources) that serves `suite`."""
@@ -165,6 +167,26 @@ def module_load_order(show_depends: Iterable[str]) -> list[str]:
             if len(words) >= 2 and words[0] == "insmod":
                 seen.setdefault(words[1], None)
     return list(seen)
+
+
+_SIG_MAGIC = b"~Module signature appended~\n"
+
+
+def strip_module_signature(ko: bytes) -> bytes:
+    """A module without its appended signature (struct module_signature: its last 4 bytes, big
+    endian, are the signature's length), or the module as it is if it has none.
+
+    Checking a signature hashes the whole module with sha256, which costs about 0.2-0.35 s of
+    the boot's module loads under TCG. Debian's kernel does not enforce signatures
+    (CONFIG_MODULE_SIG_FORCE is off, lockdown only under EFI secure boot): an unsigned module
+    loads and taints the kernel with E, which is all it changes.
+    """
+    if not ko.endswith(_SIG_MAGIC) or len(ko) < len(_SIG_MAGIC) + 12:
+        return ko
+    info_end = len(ko) - len(_SIG_MAGIC)
+    sig_len = int.from_bytes(ko[info_end - 4 : info_end], "big")
+    start = info_end - 12 - sig_len
+    return ko[:start] if start > 0 else ko
 
 
 def input_version(inputs: Mapping[str, object]) -> str:

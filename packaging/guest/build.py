@@ -204,8 +204,12 @@ def base_root(work: Path, tree: Path, kroot: Path, kver: str, wheel: Path) -> Pa
     resolv.symlink_to("../run/resolv.conf")
     log("modules")
     copy_modules(kroot, kver, tmp)
+    site = tmp / "usr/lib/feos-guest/site"
     with zipfile.ZipFile(wheel) as whl:
-        whl.extractall(tmp / "usr/lib/feos-guest/site")
+        whl.extractall(site)
+    for pattern in _plan.SITE_TRIM:  # the wheel's Cython sources: 7 MB nothing reads
+        for path in site.rglob(pattern):
+            path.unlink()
     log("compileall (standard library, pycapnp)")
     compileall(tmp, "-f", "/usr/lib/python3.11", "/usr/lib/python3", "/usr/lib/feos-guest/site")
     (tmp / ".done").touch()
@@ -241,7 +245,15 @@ def copy_modules(kroot: Path, kver: str, root: Path) -> None:
     shutil.copytree(
         src, dst, ignore=lambda d, names: [n for n in names if f"{d}/{n}".startswith(skip)]
     )
+    strip_signatures(dst)
     run("depmod", "-b", root, kver)
+
+
+def strip_signatures(tree: Path) -> None:
+    for ko in tree.rglob("*.ko"):
+        data = ko.read_bytes()
+        if (stripped := _plan.strip_module_signature(data)) is not data:
+            ko.write_bytes(stripped)
 
 
 def make_initramfs(kroot: Path, kver: str, busybox_root: Path, stage: Path) -> Path:
@@ -260,6 +272,7 @@ def make_initramfs(kroot: Path, kver: str, busybox_root: Path, stage: Path) -> P
     for rel in order:
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(kroot / rel, tree / rel)
+    strip_signatures(tree / "lib/modules")
     (tree / "etc/feos-modules").write_text("".join(f"/{rel}\n" for rel in order))
     out = stage / "initramfs"
     names = run("find", ".", "-mindepth", "1", capture=True, cwd=tree)

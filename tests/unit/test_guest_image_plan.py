@@ -125,3 +125,25 @@ def test_candidate_versions_of_one_policy_call() -> None:
     assert plan.candidate_versions(policy) == {
         "python3": "3.11.2-1+b1", "busybox-static": "1:1.35.0-4+deb12u1+b1", "nothing": None
     }  # fmt: skip
+
+
+def _signed(body: bytes, sig: bytes) -> bytes:
+    info = bytes(8) + len(sig).to_bytes(4, "big")  # algo, hash, id type, signer, key id len...
+    return body + sig + info + b"~Module signature appended~\n"
+
+
+def test_strip_module_signature_leaves_the_module() -> None:
+    body = b"\x7fELF" + bytes(100)
+    assert plan.strip_module_signature(_signed(body, b"S" * 515)) == body
+    assert plan.strip_module_signature(body) == body
+
+
+@given(st.binary(min_size=1), st.binary())
+def test_strip_module_signature_of_any_signed_module(body: bytes, sig: bytes) -> None:
+    assert plan.strip_module_signature(_signed(body, sig)) == body
+
+
+@given(st.binary())
+def test_strip_module_signature_takes_any_bytes(data: bytes) -> None:
+    out = plan.strip_module_signature(data + b"~Module signature appended~\n")
+    assert len(out) <= len(data) + 28
