@@ -280,3 +280,48 @@ async def test_a_restart_keeps_addresses_and_rules(world: World) -> None:
         pool = json.loads((world.state / "pods" / "ipv4-addresses").read_text())
         assert [a for a, _ in pool["free"]] == [gone.ipv4]
         nursery.cancel_scope.cancel()
+
+
+def out_chain(w: World, pod_id: str) -> str:
+    return w.node.run("nft", "list", "chain", "inet", "feos", f"out-pod-{pod_id}").stdout
+
+
+async def test_a_group_change_rewrites_the_pods_rules(world: World) -> None:
+    net = await world.start()
+    rule = {"protocol": "tcp", "firstPort": 443, "lastPort": 443,
+            "peer": {"block": {"cidr": "2001:db8:50::/48"}}}
+    await world.groups.put_security_group({"group": {"id": "web", "rulesOut": [rule]}})
+    p = await net.allocate(pod(TAPPED, security_groups=("web",)))
+    world.view.pods[p.id] = p
+    await net.prepare(p)
+    assert "tcp dport 443 return" in out_chain(world, TAPPED)
+    rule["firstPort"] = rule["lastPort"] = 8443
+    await world.groups.put_security_group({"group": {"id": "web", "rulesOut": [rule]}})
+    with trio.fail_after(5):  # the store's on_change wakes the table's loop
+        while "tcp dport 8443 return" not in out_chain(world, TAPPED):  # noqa: ASYNC110 (the kernel's table)
+            await trio.sleep(0.05)
+    assert "dport 443 " not in out_chain(world, TAPPED)
+
+
+async def test_the_table_is_written_whole_again_on_its_interval(world: World) -> None:
+    net = Network(OPTIONS, world.state, world.view, world.groups, world.names,
+                  netns=world.node.name, table_interval=0.3)
+    await world.nursery.start(net.run)
+    world.net = net
+    world.node.run("nft", "delete", "table", "inet", "feos")  # drift: someone removed it
+    with trio.fail_after(5):
+        while world.node.run("nft", "list", "table", "inet", "feos", check=False).returncode:  # noqa: ASYNC110
+            await trio.sleep(0.1)
+    assert {"forward", "from-pods"} <= chains(world)
+
+
+async def test_a_failed_start_leaves_the_network_unavailable(tmp_path: Path, stores: Any) -> None:
+    groups, names = stores
+    net = Network(OPTIONS, tmp_path, View(), groups, names, netns="feostest-no-such-namespace")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(net.run)  # reports started: feosd runs on
+    reason = net.unavailable()
+    assert reason is not None and reason.startswith("the pods' network could not be set up")
+    with pytest.raises(FeosError) as e:
+        net.check_spec(pod(TAPPED))
+    assert e.value.code == Code.FAILED_PRECONDITION and e.value.message == reason
