@@ -154,9 +154,18 @@ def chains(w: World) -> set[str]:
 
 
 async def test_start_up_steps_and_the_table(world: World) -> None:
+    n = world.node
+    # what the first version (a bridge and its table) and the NAT64 version (a counter) left
+    n.run("ip", "link", "add", "feos-pods", "type", "bridge")
+    n.run("nft", "add", "table", "bridge", "feos")
+    (world.state / "pods").mkdir()
+    (world.state / "pods" / "next-address").write_text("10.200.0.9\n")
     net = await world.start()
     assert net.unavailable() is None
-    n = world.node
+    assert n.run("ip", "link", "show", "feos-pods", check=False).returncode != 0
+    assert n.run("nft", "list", "table", "bridge", "feos", check=False).returncode != 0
+    assert not (world.state / "pods" / "next-address").exists()
+    assert "169.254.0.1/" not in n.run("ip", "-4", "addr").stdout  # never the node's
     assert n.run("sysctl", "-n", "net.ipv4.ip_forward").stdout.strip() == "1"
     assert n.run("sysctl", "-n", "net.ipv6.conf.all.forwarding").stdout.strip() == "1"
     assert f"unreachable {PREFIX}" in n.run("ip", "-6", "route", "show", "type",
