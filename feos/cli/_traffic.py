@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-import capnp
+import capnp  # type: ignore[import-untyped]
 
 from ..errors import Code, FeosError
 from ..rpc._client import Client, raise_for_status

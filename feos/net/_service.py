@@ -23,23 +23,21 @@ import ipaddress
 import json
 import logging
 import shutil
-from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import trio
-from pyroute2 import IPRoute
 
 from feos.errors import Code, FeosError, invalid
 from feos.pods._network import GuestNetwork, Link, PodNet, PodsView
 
-from . import _nft as nft
 from ._addresses import Ipv4Allocator, Ipv6Allocator
 from ._dnsresolver import PodDns, QueryRecord
 from ._dnsserver import DnsServer
 from ._dnsupstream import validate_upstreams
-from ._groups import SecurityGroup, validate_pod_groups
+from ._groups import validate_pod_groups
 from ._links import (
     TapSpec,
     delete_tap,
@@ -52,11 +50,27 @@ from ._links import (
 )
 from ._listenfds import DnsSockets, bind_dns_sockets
 from ._metadata_server import MetadataServer
-from ._mmds import metadata_object, validate_metadata
+from ._mmds import validate_metadata
 from ._nametable import NameTable, is_label
 from ._options import Addr, NetworkOptions
+from ._service_model import (
+    StoreMapping,
+    compile_for,
+    dns_pods,
+    dns_record,
+    guest_network_of,
+    known_pods,
+    metadata_of,
+    missing_reason,
+    pod_addresses,
+    pod_links,
+    read_node_addresses,
+    remove_old_devices,
+    store_of,
+    tap_or_none,
+)
 from ._table import NftLoader, TableWriter
-from ._traffic import DnsQuery, PodDirectory, RecordHub, TrafficCollector, delete_conntrack
+from ._traffic import PodDirectory, RecordHub, TrafficCollector, delete_conntrack
 from ._traffic import enable_accounting as _enable_accounting
 from ._traffic_service import TrafficService
 
@@ -64,216 +78,8 @@ log = logging.getLogger(__name__)
 
 TABLE_INTERVAL = 60.0
 STARTING_REASON = "the pods' network is still starting"
-ULA = ipaddress.IPv6Network("fc00::/7")
-MESH_MTU, LINK_MTU = 1420, 1500
-OLD_DEVICES = ("feos-pods", "feos-nat64")  # the first version's bridge, the NAT64 version's
 OLD_IPV4_COUNTER = "next-address"
 OLD_NAT64_MAPS = Path("/sys/fs/bpf/feos/nat64")
-
-
-class KeptValues(Protocol):
-    """What the network reads of a store (feos._store.Store): never waits for a write."""
-
-    def get(self, record_id: str) -> Any: ...
-    def items(self) -> list[tuple[str, Any]]: ...
-    def __contains__(self, record_id: object) -> bool: ...
-
-
-# --- pure: what the network knows, and what the compiler and the resolver are given ----------
-
-
-@attrs.frozen
-class DnsRecord(DnsQuery):
-    """A DnsQuery record with what the schema's DnsQuery carries beyond the traffic module's."""
-
-    qtype_number: int = 0
-    rcode_number: int = 0
-    upstream: str = ""
-
-
-def known_pods(view: Iterable[PodNet], prepared: Mapping[str, PodNet],
-               removed: Container[str]) -> list[PodNet]:
-    """The view's pods, each replaced by the one `prepare` was given, without those removed."""
-    out = {p.id: p for p in view if p.id not in removed}
-    out.update((i, p) for i, p in prepared.items() if i not in removed)
-    return [out[i] for i in sorted(out)]
-
-
-def pod_addresses(pod: PodNet, options: NetworkOptions) -> tuple[
-    ipaddress.IPv6Address | None, ipaddress.IPv4Address | None
-]:
-    """The pod's addresses if they are of this network (the prefix, the range), else None."""
-    v6 = _parse(pod.ipv6, ipaddress.IPv6Address)
-    v4 = _parse(pod.ipv4, ipaddress.IPv4Address)
-    prefix = options.pod_prefix
-    return (v6 if v6 is not None and prefix is not None and v6 in prefix else None,
-            v4 if v4 is not None and v4 in options.ipv4_range else None)
-
-
-def _parse(text: str, kind: type[Any]) -> Any:
-    try:
-        return kind(text) if text else None
-    except ValueError:
-        return None
-
-
-def table_pods(pods: Iterable[PodNet], options: NetworkOptions,
-               groups: Container[str]) -> tuple[list[nft.PodNet], list[str]]:
-    """The compiler's pods, and the IDs left out: without this network's addresses, with an ID
-    that names no TAP, or naming a group the node lacks (such a pod cannot boot; leaving it out
-    keeps one pod's missing group from failing every pod's table)."""
-    out: list[nft.PodNet] = []
-    left: list[str] = []
-    for pod in pods:
-        v6, v4 = pod_addresses(pod, options)
-        tap = _tap_or_none(pod.id)
-        if v6 is None or v4 is None or tap is None or missing_groups(pod, groups):
-            left.append(pod.id)
-            continue
-        out.append(nft.PodNet(tap, v6, v4, tuple(pod.security_groups),
-                              local_metadata=pod.driver == "qemu"))
-    return out, left
-
-
-def _tap_or_none(pod_id: str) -> str | None:
-    try:
-        return tap_name(pod_id)
-    except FeosError:
-        return None
-
-
-def node_facts(options: NetworkOptions, node_addresses: Sequence[Addr]) -> nft.NodeFacts:
-    prefix = options.require_network()
-    return nft.NodeFacts(prefix, options.ipv4_range, options.dns_address, options.otlp_address,
-                         tuple(options.deny_prefixes), tuple(node_addresses))
-
-
-def compile_for(pods: Iterable[PodNet], options: NetworkOptions,
-                groups: Mapping[str, SecurityGroup], node_addresses: Sequence[Addr]) -> nft.Table:
-    """The whole table for these pods, groups and node addresses."""
-    chosen, _ = table_pods(pods, options, groups)
-    return nft.compile_table(chosen, groups, node_facts(options, node_addresses))
-
-
-def dns_pods(pods: Iterable[PodNet], options: NetworkOptions) -> dict[
-    ipaddress.IPv4Address, PodDns
-]:
-    """The resolver's pods by their IPv4 address; an upstream that does not parse is left out
-    (check_spec refused it at create: only a record of an older feosd can hold one)."""
-    out: dict[ipaddress.IPv4Address, PodDns] = {}
-    for pod in pods:
-        _, v4 = pod_addresses(pod, options)
-        if v4 is None:
-            continue
-        ups = tuple(a for a in (_parse_ip(u) for u in pod.dns_upstreams) if a is not None)
-        out[v4] = PodDns(pod.id, tuple(pod.name_tables), ups)
-    return out
-
-
-def _parse_ip(text: str) -> Addr | None:
-    try:
-        return ipaddress.ip_address(text)
-    except ValueError:
-        return None
-
-
-def missing_groups(pod: PodNet, groups: Container[str]) -> list[str]:
-    return [g for g in pod.security_groups if g not in groups]
-
-
-def missing_reason(pod: PodNet, groups: Container[str], tables: Container[str]) -> str | None:
-    """Why the pod cannot boot or resume here: the groups and tables the node lacks, or None."""
-    lacks = []
-    if gs := missing_groups(pod, groups):
-        lacks.append(f"the security groups {', '.join(gs)}")
-    if ts := [t for t in pod.name_tables if t not in tables]:
-        lacks.append(f"the name tables {', '.join(ts)}")
-    return f"pod {pod.id}: the node does not have {' and '.join(lacks)}" if lacks else None
-
-
-def guest_network_of(pod: PodNet, options: NetworkOptions) -> GuestNetwork:
-    v6 = ipaddress.IPv6Address(pod.ipv6)
-    return GuestNetwork(ipv6=str(v6), ipv4=pod.ipv4, resolver=str(options.dns_address),
-                        ula_only=v6 in ULA, mtu=LINK_MTU)
-
-
-def metadata_of(pod: PodNet) -> dict[str, Any]:
-    """The object the metadata service holds for the pod (its spec's metadata checked at create;
-    a record that holds no object gives an empty one)."""
-    try:
-        spec = json.loads(pod.metadata_json) if pod.metadata_json else {}
-    except ValueError:
-        spec = {}
-    return metadata_object(pod.id, pod.ipv6, pod.ipv4, spec if isinstance(spec, dict) else {})
-
-
-def dns_record(q: QueryRecord) -> DnsRecord:
-    """A resolver's record of an answered query as a traffic record."""
-    from ._dnsmsg import type_name  # the one table of type mnemonics
-
-    rcodes = {0: "NOERROR", 1: "FORMERR", 2: "SERVFAIL", 3: "NXDOMAIN", 4: "NOTIMP", 5: "REFUSED"}
-    return DnsRecord(q.pod or "", q.name, type_name(q.qtype), rcodes.get(q.rcode, str(q.rcode)),
-                        tuple(q.answers), q.time, qtype_number=q.qtype, rcode_number=q.rcode,
-                        upstream=q.upstream or "")
-
-
-def read_node_addresses(ipr: IPRoute) -> tuple[Addr, ...]:
-    """The node's own global addresses (link-local and loopback ones are denied anyway)."""
-    found: set[Addr] = set()
-    for m in ipr.get_addr():
-        text = m.get("IFA_ADDRESS")
-        addr = _parse_ip(text.split("%")[0]) if text else None
-        if addr is not None and not (addr.is_link_local or addr.is_loopback):
-            found.add(addr)
-    return tuple(sorted(found, key=lambda a: (a.version, int(a))))
-
-
-def pod_links(ipr: IPRoute) -> dict[str, int]:
-    """The node's pod-* devices by name, with their ifindex."""
-    out = {}
-    for link in ipr.get_links():
-        name = link.get("IFLA_IFNAME") or ""
-        if name.startswith("pod-"):
-            out[name] = link["index"]
-    return out
-
-
-def _remove_old_devices(ipr: IPRoute) -> list[str]:
-    gone = []
-    for name in OLD_DEVICES:
-        found = ipr.link_lookup(ifname=name)
-        if found:
-            ipr.link("del", index=found[0])
-            gone.append(name)
-    return gone
-
-
-class _StoreMapping(Mapping[str, Any]):
-    """A store read as a mapping, for the resolver: lookups of what is kept, never a copy."""
-
-    def __init__(self, store: KeptValues) -> None:
-        self._store = store
-
-    def __getitem__(self, key: str) -> Any:
-        value = self._store.get(key)
-        if value is None:
-            raise KeyError(key)
-        return value
-
-    def get(self, key: str, default: Any = None) -> Any:
-        value = self._store.get(key)
-        return default if value is None else value
-
-    def __iter__(self) -> Iterator[str]:
-        return iter([k for k, _ in self._store.items()])
-
-    def __len__(self) -> int:
-        return len(self._store.items())
-
-
-def _store_of(service_or_store: Any) -> KeptValues:
-    """SecurityGroupService and NameTableService keep theirs in `.store`; a store is taken as is."""
-    return getattr(service_or_store, "store", service_or_store)  # type: ignore[no-any-return]
 
 
 # --- the service ----------------------------------------------------------------------------
@@ -289,8 +95,8 @@ class Network:
         self.options = options
         self.pods_dir = Path(state_dir) / "pods"
         self.view = pods
-        self.groups = _store_of(groups_store)
-        self.tables = _store_of(tables_store)
+        self.groups = store_of(groups_store)
+        self.tables = store_of(tables_store)
         self.netns = netns
         self.dns_sockets = dns_sockets
         self.table_interval = table_interval
@@ -314,7 +120,7 @@ class Network:
         self._ifindex: dict[str, int] = {}
         self._node_addresses: tuple[Addr, ...] = ()
         self._directory_ids: set[str] = set()
-        self._tables_view: Mapping[str, NameTable] = _StoreMapping(self.tables)
+        self._tables_view: Mapping[str, NameTable] = StoreMapping(self.tables)
         self._chain_group_changes(groups_store)
 
     def _chain_group_changes(self, groups_store: Any) -> None:
@@ -389,7 +195,7 @@ class Network:
         return guest_network_of(pod, self.options)
 
     async def remove(self, pod: PodNet) -> None:
-        tap = _tap_or_none(pod.id)
+        tap = tap_or_none(pod.id)
         self._removed.add(pod.id)
         self._prepared.pop(pod.id, None)
         self._refresh()  # off the resolver; the traffic records name it by its addresses a while
@@ -484,7 +290,7 @@ class Network:
     async def _remove_old_network(self) -> None:
         """What the first version (a bridge) and the NAT64 version left; every part optional."""
         try:
-            gone = await in_thread(self.netns, _remove_old_devices)
+            gone = await in_thread(self.netns, remove_old_devices)
         except Exception as e:  # pyroute2's errors: a leftover we cannot remove is only logged
             log.warning("the old pods' network's devices: %s", e)
             gone = []
@@ -532,7 +338,7 @@ class Network:
         self._ifindex.update(links)
         self._refresh()
         for pod in self._known():
-            tap = _tap_or_none(pod.id)
+            tap = tap_or_none(pod.id)
             if pod.driver == "qemu" and tap in links:
                 await self._metadata.add_pod(tap, metadata_of(pod))  # a running pod's, again
         assert self._dns is not None
@@ -578,7 +384,7 @@ class Network:
             self.directory.remove(pod_id)
         for pod in pods:
             v6, v4 = pod_addresses(pod, self.options)
-            tap = _tap_or_none(pod.id)
+            tap = tap_or_none(pod.id)
             self.directory.add(pod.id, [a for a in (v4, v6) if a is not None], tap,
                                self._ifindex.get(tap) if tap else None)
         self._directory_ids = known

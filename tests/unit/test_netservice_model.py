@@ -16,8 +16,8 @@ from feos.net._dnsresolver import PodDns, QueryRecord
 from feos.net._groups import SecurityGroup
 from feos.net._nft import render_full
 from feos.net._options import parse_network_options
-from feos.net._service import (
-    Network,
+from feos.net._service import Network
+from feos.net._service_model import (
     compile_for,
     dns_pods,
     dns_record,
