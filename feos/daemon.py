@@ -29,10 +29,13 @@ from ._host import HostService, own_binary, replace_binary
 from ._lock import take_lock
 from ._sdnotify import notify
 from .net._stores import NameTableService, SecurityGroupService
+from .pods._service import PodService
+from .pods._stop import SuspendedForStop
 from .pods._volumes import VolumeService
 from .rpc import CapnpThread, capnp_thread
 from .rpc._server import Cap, listen
 from .rpc._server import serve as serve_interface
+from .vmm._service import MicroVms
 
 log = logging.getLogger("feosd")
 
@@ -168,17 +171,35 @@ class Daemon:
         )
         self.listeners: dict[str, socket.socket] = {}
         self.handover: dict[str, int] = {}
+        self.vms: MicroVms | None = None
+        self.pods: PodService | None = None
+        self.stop_record = SuspendedForStop(self.state_dir / "suspended-for-stop.json",
+                                            control_plane=args.control_plane is not None)
         self._upgrade_send, self._upgrade_receive = trio.open_memory_channel[Path](1)
 
-    # Until pods exist on this node, nothing names a group or a table.
     def pods_naming_group(self, group_id: str) -> list[str]:
-        return []
+        return self.pods.pods_naming_group(group_id) if self.pods is not None else []
 
     def pods_naming_table(self, table_id: str) -> list[str]:
-        return []
+        return self.pods.pods_naming_table(table_id) if self.pods is not None else []
 
     def versions(self) -> dict[str, Any]:
-        return {"guests": [], "firecrackers": [], "driver": "", "accel": "", "network": ""}
+        from .vmm._jail import installed
+        from .vmm._service import guest_root
+
+        root = guest_root()
+        guests = sorted((d.name for d in root.iterdir() if (d / "manifest.json").exists()),
+                        reverse=True) if root.is_dir() else []
+        try:
+            firecrackers = [i.version for i in reversed(installed())]
+        except Exception:  # a broken install is reported as none
+            firecrackers = []
+        accel = self.vms.accel if self.vms is not None else ""
+        return {"guests": guests, "firecrackers": firecrackers, "driver": "qemu",
+                "accel": accel, "network": self.network_status()}
+
+    def network_status(self) -> str:
+        return "not set up: feosd runs without --pod-prefix" if not self.args.pod_prefix else "up"
 
     def request_upgrade(self, staged: Path) -> None:
         try:
@@ -201,7 +222,7 @@ class Daemon:
             "securityGroups": Cap(net.SecurityGroupService, self.groups),
             "names": Cap(net.NameService, self.names),
             "host": Cap(host.HostService, self.host),
-            "pods": Cap(pod.PodService, object()),
+            "pods": Cap(pod.PodService, self.pods),
             "traffic": Cap(net.TrafficService, object()),
             "mesh": Cap(net.MeshService, object()),
         }
@@ -236,19 +257,31 @@ class Daemon:
         lock_fd = await take_lock(self.state_dir / "feosd.lock")
         set_subreaper()
         self.load()
-        async with capnp_thread() as bridge:
+        staged = None
+        async with capnp_thread() as bridge, trio.open_nursery() as nursery:
+            self.vms = MicroVms(self.state_dir, self.run_dir, bridge, network=self.guest_network)
+            await nursery.start(self.vms.run)
+            self.pods = PodService(self.state_dir, self.vms, self.volumes, groups=self.groups,
+                                   tables=self.names, bridge=bridge)
+            await nursery.start(self.pods.run)
             self.bind(inherited)
             bootstrap = self.bootstrap(bridge)
-            servers = [
-                await bridge.call(listen, sock, bootstrap) for sock in self.listeners.values()
-            ]
+            servers = [await bridge.call(listen, sock, bootstrap) for sock in self.listeners.values()]
             log.info("serving the API on %s", ", ".join(_where(s) for s in self.listeners.values()))
             notify("READY=1")
+            nursery.start_soon(self.stop_record.resume, self.pods)
             staged = await self._wait_for_end()
+            if staged is None and self.args.suspend_on_stop:
+                with trio.move_on_after(max(1.0, self.args.stop_grace - 10)):
+                    await self.stop_record.suspend_all(self.pods)
             for server in servers:
                 server.close()
+            nursery.cancel_scope.cancel()
         if staged is not None:
             self.exec_upgrade(staged, lock_fd)
+
+    async def guest_network(self, vm_id: str) -> Any:
+        return await self.pods.guest_network(vm_id) if self.pods is not None else None
 
     async def _wait_for_end(self) -> Path | None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -286,6 +319,8 @@ class Daemon:
         os.execve(str(binary), [str(binary), *sys.argv[1:]], env)
 
     def close(self) -> None:
+        if self.pods is not None:
+            self.pods.close()
         self.volumes.close()
         self.groups.close()
         self.names.close()

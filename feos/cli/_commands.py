@@ -357,4 +357,10 @@ def register_host(nouns: Any) -> None:
     p.add_argument("--sha256", help="its expected sha256 (default: computed here)")
 
 
-NOUNS = [register_volume, register_group, register_names, register_host]
+def _register_pod(nouns: Any) -> None:
+    from ._pods import register_pod
+
+    register_pod(nouns)
+
+
+NOUNS = [_register_pod, register_volume, register_group, register_names, register_host]

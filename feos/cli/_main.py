@@ -20,6 +20,7 @@ import capnp
 from ..errors import Code, FeosError
 from ..rpc._client import Client
 from . import _commands
+from ._pods import ExitWith
 
 EXIT_BASE = 10
 DEFAULT_SOCKET = "/run/feos/api.sock"
@@ -63,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except FeosError as exc:
         print(f"feosctl: {exc.code.name}: {exc.message}", file=sys.stderr)
         code = exit_code(exc.code)
+    except ExitWith as exc:
+        code = exc.code
     except _commands.UsageError as exc:
         print(f"feosctl: {exc}", file=sys.stderr)
         code = 2

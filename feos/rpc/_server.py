@@ -65,6 +65,8 @@ def _method(name: str) -> Callable[..., Awaitable[None]]:
         try:
             if getattr(target, "_feos_rpc_thread", False):
                 values = target(params)
+                if asyncio.iscoroutine(values):
+                    values = await values
             else:
                 values = await self._bridge.to_trio(target, params)
         except FeosError as exc:
@@ -85,7 +87,8 @@ def on_rpc_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Mark a service's read as run on the Cap'n Proto thread itself, without the trip to trio.
 
     Only for plain reads of state that is replaced whole on a change (never mutated in place),
-    which never block: the answer of a GetVolume is then a dict lookup away.
+    which never block: the answer of a GetVolume is then a dict lookup away; and for asyncio
+    coroutines that live on that thread (the relays of a guest's streams).
     """
     fn._feos_rpc_thread = True  # type: ignore[attr-defined]
     return fn

@@ -1,0 +1,226 @@
+"""feosctl pod: create, list, get, start, stop, delete, suspend, resume, exec, logs, events."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+from ..errors import Code, FeosError
+from ..pods._spec import new_pod_id
+from ..rpc._client import Client
+from ._commands import Table, UsageError, _noun, _verb, load_file, parse_size
+
+POD_COLUMNS = ["ID", "STATE", "STEP/REASON", "VCPUS", "MEMORY", "IPV6", "IPV4", "CONTAINERS"]
+
+
+def pod_row(p: dict[str, Any]) -> list[str]:
+    spec = p.get("spec", {})
+    detail = p.get("reason", "") or (p.get("step", "") if p.get("state") == "pending" else "")
+    names = ",".join(c.get("name", "") for c in spec.get("containers", []))
+    return [p.get("id", ""), p.get("state", ""), detail, str(spec.get("vcpus", "")),
+            f"{spec.get('memoryMib', '')}MiB", p.get("ipv6Address", "") or "-",
+            p.get("ipv4Address", "") or "-", names]
+
+
+def spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    if args.file:
+        spec = load_file(args.file)
+        if not isinstance(spec, dict):
+            raise UsageError(f"{args.file}: a pod spec is a mapping (vcpus, memoryMib, containers...)")
+        return spec.get("spec", spec) if "spec" in spec and "id" in spec else spec
+    if not args.image:
+        raise UsageError("pod create: give a spec file (-f FILE) or --image")
+    spec: dict[str, Any] = {
+        "vcpus": args.cpus,
+        "memoryMib": parse_size(args.memory) >> 20,
+        "containers": [{"name": args.name, "image": args.image,
+                        "command": args.cmd or [],
+                        "env": [{"key": k, "value": v} for k, _, v in
+                                (e.partition("=") for e in args.env)],
+                        "volumeMounts": [{"volume": n, "path": path} for n, path in
+                                         (m.split(":", 1) for m in args.mount)]}],
+        "volumes": [{"name": n, "volumeId": v} for n, v in (x.split("=", 1) for x in args.volume)],
+        "network": {"none": None} if args.no_network else {"pod": {
+            "securityGroups": args.group, "nameTables": args.names, "dnsUpstreams": args.dns}},
+    }
+    return spec
+
+
+async def wait_settled(client: Client, pod_id: str, quiet: bool) -> dict[str, Any]:
+    """Follow the pod's events until it is RUNNING or FAILED, with a progress line."""
+    watch = await client.call("pods", "watchEvents", podId=pod_id)
+    stream = watch.stream
+    pod = (await client.call("pods", "getPod", id=pod_id)).pod.to_dict()
+    started = time.monotonic()
+    while pod.get("state") == "pending":
+        if not quiet:
+            step = pod.get("step", "") or "pending"
+            print(f"\rpod {pod_id}: {step} ({time.monotonic() - started:.0f}s)   ",
+                  end="", file=sys.stderr, flush=True)
+        answer = await stream.next(max=64)
+        for event in answer.events:
+            pod["state"], pod["step"], pod["reason"] = event.state, event.step, event.reason
+        if answer.end:
+            break
+    if not quiet:
+        print(file=sys.stderr)
+    return (await client.call("pods", "getPod", id=pod_id)).pod.to_dict()
+
+
+async def pod_create(client: Client, args: argparse.Namespace) -> Table:
+    spec = spec_from_args(args)
+    pod_id = args.id or new_pod_id()
+    r = await client.call("pods", "createPod", id=pod_id, spec=spec, pullToken=args.pull_token or "")
+    pod = r.pod.to_dict()
+    if args.wait:
+        pod = await wait_settled(client, pod_id, args.json)
+        if pod.get("state") == "failed":
+            raise FeosError(Code.FAILED_PRECONDITION, f"pod {pod_id} failed: {pod.get('reason', '')}")
+    return Table(pod, POD_COLUMNS, [pod_row(pod)])
+
+
+async def pod_list(client: Client, args: argparse.Namespace) -> Table:
+    pods = [p.to_dict() for p in (await client.call("pods", "listPods")).pods]
+    return Table(pods, POD_COLUMNS, [pod_row(p) for p in pods])
+
+
+async def pod_get(client: Client, args: argparse.Namespace) -> Table:
+    pod = (await client.call("pods", "getPod", id=args.id)).pod.to_dict()
+    rows = [pod_row(pod)]
+    table = Table(pod, POD_COLUMNS, rows)
+    for c in pod.get("containers", []):
+        rows.append(["", f"container {c.get('name')}", c.get("state", ""), "", "", "", "",
+                     f"exit {c.get('exitCode', 0)}" if c.get("state") == "exited" else ""])
+    return table
+
+
+def _change(method: str):  # type: ignore[no-untyped-def]
+    async def change(client: Client, args: argparse.Namespace) -> Table | str:
+        params: dict[str, Any] = {"id": args.id}
+        if method == "startPod" and getattr(args, "pull_token", None):
+            params["pullToken"] = args.pull_token
+        r = await client.call("pods", method, **params)
+        if method == "deletePod":
+            return f"pod {args.id} deleted"
+        pod = r.pod.to_dict()
+        if method == "startPod" and args.wait:
+            pod = await wait_settled(client, args.id, args.json)
+        return Table(pod, POD_COLUMNS, [pod_row(pod)])
+
+    return change
+
+
+async def _pump(stream: Any, out: Any, err: Any) -> int:
+    while True:
+        r = await stream.read()
+        if r.stdout:
+            out.write(bytes(r.stdout))
+            out.flush()
+        if r.stderr:
+            err.write(bytes(r.stderr))
+            err.flush()
+        if r.exited:
+            return int(r.exitCode)
+
+
+async def _feed_stdin(stream: Any) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        data = await loop.run_in_executor(None, sys.stdin.buffer.read1, 65536)
+        await stream.write(data=data, close=not data)
+        if not data:
+            return
+
+
+class ExitWith(Exception):
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+
+async def pod_exec(client: Client, args: argparse.Namespace) -> None:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise UsageError("pod exec: give the command after --")
+    r = await client.call("pods", "execInPod", id=args.id, container=args.container,
+                          command=command, env=[{"key": k, "value": v} for k, _, v in
+                                                     (e.partition("=") for e in args.env)])
+    stream = r.stream
+    feeder = asyncio.ensure_future(_feed_stdin(stream)) if args.stdin else None
+    try:
+        code = await _pump(stream, sys.stdout.buffer, sys.stderr.buffer)
+    finally:
+        if feeder is not None:
+            feeder.cancel()
+    if code:
+        raise ExitWith(code)
+
+
+async def pod_logs(client: Client, args: argparse.Namespace) -> None:
+    r = await client.call("pods", "podLogs", id=args.id, container=args.container,
+                          follow=args.follow)
+    await _pump(r.stream, sys.stdout.buffer, sys.stderr.buffer)
+
+
+async def pod_events(client: Client, args: argparse.Namespace) -> None:
+    stream = (await client.call("pods", "watchEvents", podId=args.id or "")).stream
+    while True:
+        answer = await stream.next(max=256)
+        for event in answer.events:
+            e = event.to_dict()
+            if args.json:
+                print(json.dumps(e, sort_keys=True), flush=True)
+            else:
+                what = "deleted" if e.get("deleted") else e.get("state", "")
+                detail = e.get("reason", "") or e.get("step", "")
+                stamp = time.strftime("%H:%M:%S", time.localtime(e.get("timeUnixNs", 0) / 1e9))
+                print(f"{stamp} #{e.get('sequence')} pod {e.get('podId')} {what} {detail}".rstrip(),
+                      flush=True)
+        if answer.end:
+            return
+
+
+def register_pod(nouns: Any) -> None:
+    verbs = _noun(nouns, "pod", "pods: microVMs with containers inside")
+    p = _verb(verbs, "create", pod_create, "create a pod from a spec file or from flags")
+    p.add_argument("id", nargs="?", help="the pod's ID (default: a new one)")
+    p.add_argument("-f", "--file", help="a PodSpec in JSON or YAML ('-': stdin)")
+    p.add_argument("--image", help="the image of the pod's one container")
+    p.add_argument("--name", default="main", help="the container's name (default main)")
+    p.add_argument("--cmd", nargs=argparse.REMAINDER, help="the command, the rest of the line")
+    p.add_argument("--cpus", type=int, default=1)
+    p.add_argument("--memory", default="512MiB")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--volume", action="append", default=[], metavar="NAME=VOLUME_ID")
+    p.add_argument("--mount", action="append", default=[], metavar="NAME:PATH")
+    p.add_argument("--group", action="append", default=[], metavar="GROUP")
+    p.add_argument("--names", action="append", default=[], metavar="TABLE")
+    p.add_argument("--dns", action="append", default=[], metavar="ADDRESS")
+    p.add_argument("--no-network", action="store_true", help="a pod without any network")
+    p.add_argument("--pull-token", help="a Bearer token for the registry, for this bring-up only")
+    p.add_argument("--wait", action="store_true", help="block until RUNNING or FAILED")
+    _verb(verbs, "list", pod_list, "list the pods")
+    _verb(verbs, "get", pod_get, "show a pod, with its containers' states").add_argument("id")
+    p = _verb(verbs, "start", _change("startPod"), "bring a stopped or failed pod up anew")
+    p.add_argument("id")
+    p.add_argument("--pull-token")
+    p.add_argument("--wait", action="store_true")
+    for verb, method, what in (("stop", "stopPod", "stop a pod (its disk stays)"),
+                               ("delete", "deletePod", "delete a pod, its microVM and disk"),
+                               ("suspend", "suspendPod", "suspend a pod to a snapshot"),
+                               ("resume", "resumePod", "resume a suspended pod")):
+        _verb(verbs, verb, _change(method), what).add_argument("id")
+    p = _verb(verbs, "exec", pod_exec, "run a command in a container: pod exec ID -- CMD...")
+    p.add_argument("id")
+    p.add_argument("-c", "--container", default="main")
+    p.add_argument("-i", "--stdin", action="store_true", help="pass stdin to the command")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("command", nargs=argparse.REMAINDER)
+    p = _verb(verbs, "logs", pod_logs, "a container's output")
+    p.add_argument("id")
+    p.add_argument("-c", "--container", default="main")
+    p.add_argument("-f", "--follow", action="store_true")
+    _verb(verbs, "events", pod_events, "follow the pods' events").add_argument("id", nargs="?")

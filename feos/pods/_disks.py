@@ -1,0 +1,69 @@
+"""The pods' disks, as files until diskd serves them (docs/operations.md, "Disks").
+
+A pod's disk is <state-dir>/disk/pods/<id>.img, made on the guest's blank data volume (its
+data.img.zst unpacked sparse) the first time the pod boots, and kept across stops until the pod
+is deleted. A volume's disk is <state-dir>/volumes/<id>.disk, a sparse file of the volume's size
+made at its first boot; the guest formats it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import trio
+
+from ..errors import Code, FeosError
+from ..records import fsync_dir
+
+
+def pod_disk(state_dir: Path, pod_id: str) -> Path:
+    return state_dir / "disk" / "pods" / f"{pod_id}.img"
+
+
+def _unpack(blank: Path, disk: Path, size_mib: int) -> None:
+    disk.parent.mkdir(parents=True, exist_ok=True)
+    tmp = disk.with_name(f".{disk.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    done = subprocess.run(["zstd", "-q", "-d", "--sparse", "-f", "-o", str(tmp), str(blank)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise FeosError(Code.INTERNAL, f"the blank data volume {blank} did not unpack: "
+                                       f"{done.stderr.strip()}")
+    if size_mib and tmp.stat().st_size < size_mib << 20:
+        os.truncate(tmp, size_mib << 20)  # the guest grows the filesystem to the disk
+    os.rename(tmp, disk)
+    fsync_dir(disk.parent)
+
+
+async def ensure_pod_disk(state_dir: Path, pod_id: str, guest_dir: Path, size_mib: int = 0) -> Path:
+    """The pod's disk, made from the guest's blank data volume if it is not there yet."""
+    disk = pod_disk(state_dir, pod_id)
+    if not disk.exists():
+        blank = guest_dir / "data.img.zst"
+        if not blank.exists():
+            raise FeosError(Code.FAILED_PRECONDITION, f"the guest {guest_dir.name} has no data.img.zst")
+        await trio.to_thread.run_sync(_unpack, blank, disk, size_mib)
+    return disk
+
+
+def _sparse(path: Path, size: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.truncate(size)
+    os.rename(tmp, path)
+    fsync_dir(path.parent)
+
+
+async def ensure_volume_disk(path: Path, size: int) -> Path:
+    if not path.exists():
+        await trio.to_thread.run_sync(_sparse, path, size)
+    return path
+
+
+async def remove_pod_disk(state_dir: Path, pod_id: str) -> None:
+    disk = pod_disk(state_dir, pod_id)
+    await trio.to_thread.run_sync(lambda: disk.unlink(missing_ok=True))

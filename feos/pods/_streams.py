@@ -1,0 +1,88 @@
+"""ExecInPod's and PodLogs' ByteStreams: relays from the guest's streams, on the RPC thread.
+
+These run on the Cap'n Proto thread (asyncio) from end to end: the guest's streams are
+capabilities there, and the caller's pulls arrive there, so the bytes never cross to trio. Two
+pumps read the guest's stdout and stderr into one queue; `read` hands out what is there (waiting
+for something), and once both have ended and the process has exited, its exit code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ..errors import Code, FeosError
+from ..rpc._server import on_rpc_thread
+
+CHUNK = 64 * 1024
+
+
+class Relay:
+    def __init__(self, stdout: Any, stderr: Any, process: Any = None) -> None:
+        self._queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=64)
+        self._process = process
+        self._open = 2
+        self._exit: int | None = None
+        self._error: FeosError | None = None
+        self._tasks = [asyncio.ensure_future(self._pump("stdout", stdout)),
+                       asyncio.ensure_future(self._pump("stderr", stderr))]
+
+    async def _pump(self, which: str, reader: Any) -> None:
+        try:
+            async for chunk in reader:
+                await self._queue.put((which, chunk))
+        except FeosError as exc:
+            self._error = exc
+        finally:
+            await self._queue.put((which, b""))
+
+    async def _finish(self) -> None:
+        if self._process is None:
+            self._exit = 0
+            return
+        code, signal = await self._process.wait()
+        self._exit = code if not signal else 128 + signal
+
+    @on_rpc_thread
+    async def read(self, params: dict[str, Any]) -> dict[str, Any]:
+        out, err = bytearray(), bytearray()
+        while not out and not err and self._open:
+            which, chunk = await self._queue.get()
+            self._take(which, chunk, out, err)
+        while not self._queue.empty() and len(out) + len(err) < CHUNK:
+            self._take(*self._queue.get_nowait(), out, err)
+        answer: dict[str, Any] = {"stdout": bytes(out), "stderr": bytes(err)}
+        if not self._open and self._queue.empty() and not out and not err:
+            if self._error is not None:
+                raise self._error
+            if self._exit is None:
+                await self._finish()
+            answer.update(exited=True, exitCode=self._exit)
+        return answer
+
+    def _take(self, which: str, chunk: bytes, out: bytearray, err: bytearray) -> None:
+        if not chunk:
+            self._open -= 1
+        (out if which == "stdout" else err).extend(chunk)
+
+    @on_rpc_thread
+    async def write(self, params: dict[str, Any]) -> dict[str, Any]:
+        if self._process is None:
+            raise FeosError(Code.FAILED_PRECONDITION, "logs have no input")
+        data = params.get("data", b"")
+        if data:
+            await self._process.write_stdin(data)
+        if params.get("close", False):
+            await self._process.close_stdin()
+        return {}
+
+
+async def open_exec(client: Any, container: str, command: list[str], env: list[str]) -> Relay:
+    process = await client.exec(container, command, env, stdin=True)
+    return Relay(process.stdout, process.stderr, process)
+
+
+async def open_logs(client: Any, container: str, follow: bool) -> Relay:
+    stdout = await client.logs(container, "stdout", follow=follow)
+    stderr = await client.logs(container, "stderr", follow=follow)
+    return Relay(stdout, stderr)
