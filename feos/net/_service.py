@@ -334,13 +334,20 @@ class Network:
 
     async def _when_loaded(self) -> None:
         await self._loaded.wait()
-        links = await in_thread(self.netns, pod_links)
+        try:
+            links = await in_thread(self.netns, pod_links)
+        except Exception as e:  # pyroute2's errors: drops then name pods by address alone
+            log.warning("the pods' TAP devices could not be read: %s", e)
+            links = {}
         self._ifindex.update(links)
         self._refresh()
         for pod in self._known():
             tap = tap_or_none(pod.id)
             if pod.driver == "qemu" and tap in links:
-                await self._metadata.add_pod(tap, metadata_of(pod))  # a running pod's, again
+                try:
+                    await self._metadata.add_pod(tap, metadata_of(pod))  # a running pod's again
+                except FeosError as e:
+                    log.warning("pod %s's metadata service: %s", pod.id, e.message)
         assert self._dns is not None
         self._dns.pods_loaded()
         self.pods_changed()
@@ -353,7 +360,10 @@ class Network:
             if full:  # every minute: the node's addresses anew, and the table whole
                 with contextlib.suppress(Exception):
                     self._node_addresses = await in_thread(self.netns, read_node_addresses)
-            await self._write_table(full=full, raise_errors=False)
+            try:
+                await self._write_table(full=full, raise_errors=False)
+            except Exception:  # a bug in a write must not end the pods' network
+                log.exception("the pods' table was not written")
 
     async def _write_table(self, *, full: bool, raise_errors: bool) -> None:
         assert self._writer is not None
