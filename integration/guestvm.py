@@ -26,7 +26,10 @@ tap=None, cmdline=(), timeout=60.0, cpu=None)`:
 
 Methods: `wait_console(text, timeout) -> float` (text seen in serial.log), `console() -> str`,
 `wait_exit(timeout) -> int` (QEMU's exit code), `connect_link(timeout) -> socket.socket`,
-`read_line(sock, timeout) -> bytes`, `kill()`. Async variants for trio tests, bounded by the VM's
+`read_line(sock, timeout) -> bytes`, `wait_link(timeout) -> Path` (guest.sock exists, for a client
+of your own to dial), `qmp(timeout) -> Qmp` (`.execute(cmd, **args)`, `.close()`),
+`kill()`. `GuestVM(config, workdir, timeout)` starts QEMU from a QemuConfig of your own (as
+`attrs.evolve(vm.config, incoming=...)` for a resume). Async variants for trio tests, bounded by the VM's
 life (and by the caller's trio.fail_after): `await vm.wait_console_async(text)`,
 `await vm.wait_exit_async()`. A wait that times out raises TimeoutError with the console's tail,
 so a failing test shows what the guest said.
@@ -215,18 +218,34 @@ class GuestVM:
 
     def connect_link(self, timeout: float = 10.0) -> socket.socket:
         """A blocking socket connected to the link (QEMU listens once it has started)."""
+        return self.connect_unix(self.link_path, timeout)
+
+    def wait_link(self, timeout: float = 10.0) -> Path:
+        """Until QEMU has made guest.sock (without connecting: a connection is a session)."""
+        end = time.monotonic() + self._left(timeout)
+        while not self.link_path.exists():
+            if self.proc.poll() is not None or time.monotonic() >= end:
+                raise self._timeout(f"no socket at {self.link_path}")
+            time.sleep(_POLL)
+        return self.link_path
+
+    def qmp(self, timeout: float = 10.0) -> Qmp:
+        """A QMP session on qmp.sock (close it when done)."""
+        return Qmp(self, timeout)
+
+    def connect_unix(self, path: Path, timeout: float) -> socket.socket:
         end = time.monotonic() + self._left(timeout)
         while time.monotonic() < end:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock.connect(str(self.link_path))
+                sock.connect(str(path))
                 return sock
             except (FileNotFoundError, ConnectionRefusedError):
                 sock.close()
                 if self.proc.poll() is not None:
-                    raise self._timeout("QEMU ended before its link socket was up") from None
+                    raise self._timeout(f"QEMU ended before {path.name} was up") from None
                 time.sleep(_POLL)
-        raise self._timeout(f"no link socket at {self.link_path}")
+        raise self._timeout(f"no socket at {path}")
 
     def read_line(self, sock: socket.socket, timeout: float = 30.0) -> bytes:
         """One line from the link (up to and with its newline)."""
@@ -245,6 +264,42 @@ class GuestVM:
                 raise self._timeout(f"the link closed (read {buf!r})")
             buf += chunk
         return buf
+
+
+class Qmp:
+    """A minimal QMP client (blocking) on the VM's qmp.sock: `execute(cmd, **args) -> return`."""
+
+    def __init__(self, vm: GuestVM, timeout: float = 10.0) -> None:
+        self.sock = vm.connect_unix(vm.qmp_path, timeout)
+        self.sock.settimeout(timeout)
+        self._buf = b""
+        self._read()  # the greeting
+        self.execute("qmp_capabilities")
+
+    def _read(self) -> dict[str, object]:
+        while b"\n" not in self._buf:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("QMP closed")
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return dict(json.loads(line))
+
+    def execute(self, command: str, **arguments: object) -> object:
+        msg: dict[str, object] = {"execute": command}
+        if arguments:
+            msg["arguments"] = arguments
+        self.sock.sendall(json.dumps(msg).encode() + b"\n")
+        while True:
+            reply = self._read()
+            if "return" in reply:
+                return reply["return"]
+            if "error" in reply:
+                raise RuntimeError(f"QMP {command}: {reply['error']}")
+            # an event ({"event": ...}): not ours to answer
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def unpack_data(guest: Guest, dest: Path) -> Path:

@@ -6,14 +6,16 @@ per machine; every later run reuses the installed version with the same inputs.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import pytest
-from guestvm import Guest, GuestVM, unpack_data
+from guestvm import Guest, GuestVM, Qmp, unpack_data
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -124,3 +126,64 @@ def test_boot_starts_the_agent_or_says_it_has_none(
         words = hello.split()
         assert words[:2] == [b"FEOS-GUEST", b"1"], hello
         assert len(words) == 4, hello
+
+
+def test_sandboxed_qemu_as_another_user_boots(guest: Guest, tmp_path: Path) -> None:
+    vm = GuestVM.boot(guest, tmp_path, floor="shell", data=False, timeout=90)
+    vm.kill()  # only its config was wanted: the same boot, sandboxed and as nobody
+    with GuestVM(attrs.evolve(vm.config, sandbox=True, runas="nobody"), tmp_path, 90) as boxed:
+        assert boxed.wait_exit(90) == 0
+        assert "FEOS-FLOOR-SHELL" in boxed.console()
+
+
+async def _ping(path: Path) -> str:
+    import capnp
+
+    from feos.guest import GuestClient
+
+    async with capnp.kj_loop():
+        client = await GuestClient.connect(str(path), deadline=60)
+        try:
+            return (await client.ping()).boot_id
+        finally:
+            await client.close()
+
+
+def _migrated(qmp: Qmp) -> None:
+    for _ in range(600):
+        status = qmp.execute("query-migrate")
+        assert isinstance(status, dict)
+        if status.get("status") == "completed":
+            return
+        assert status.get("status") in ("setup", "active", "device", None), status
+        time.sleep(0.05)
+    raise AssertionError("the migration to a file did not complete in 30 s")
+
+
+def test_suspend_to_a_file_and_resume_with_incoming(guest: Guest, tmp_path: Path) -> None:
+    assert _has_agent(guest), "this version has no agent to ping (feos/guest/__main__.py)"
+    snap = tmp_path / "memory"
+    with GuestVM.boot(guest, tmp_path / "a", timeout=120) as vm:
+        boot_id = asyncio.run(_ping(vm.wait_link()))
+        qmp = vm.qmp()
+        qmp.execute("stop")
+        qmp.execute("migrate-set-parameters", **{"max-bandwidth": 4 << 30})
+        qmp.execute("migrate", uri=f"exec:cat > {snap}")
+        _migrated(qmp)
+        qmp.close()
+    b = tmp_path / "b"
+    b.mkdir()
+    resumed = attrs.evolve(vm.config, incoming=str(snap), link_socket=str(b / "guest.sock"),
+                           qmp_socket=str(b / "qmp.sock"), serial_log=str(b / "serial.log"))  # fmt: skip
+    with GuestVM(resumed, b, 60) as vm2:
+        qmp = vm2.qmp()
+        for _ in range(600):  # "inmigrate" until the file is read, then "paused"
+            status = qmp.execute("query-status")
+            assert isinstance(status, dict)
+            if status.get("status") == "paused":
+                break
+            time.sleep(0.05)
+        qmp.execute("cont")
+        qmp.close()
+        # The same boot, answering on a new session over the resumed virtio-serial port.
+        assert asyncio.run(_ping(vm2.wait_link())) == boot_id

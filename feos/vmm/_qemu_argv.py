@@ -164,8 +164,11 @@ def _host_side(c: QemuConfig) -> list[str]:
     if c.runas is not None:
         argv += ["-runas", c.runas]
     if c.sandbox:
-        # spawn stays allowed: suspend and -incoming run `cat` through exec: migration.
-        argv += ["-sandbox", "on,obsolete=deny,elevateprivileges=deny,resourcecontrol=deny"]
+        # spawn stays allowed: suspend and -incoming run `cat` through exec: migration. QEMU
+        # drops to -runas after it installs the filter, so set*id stays allowed with -runas
+        # (denied, QEMU dies of SIGSYS; measured).
+        privileges = "" if c.runas is not None else ",elevateprivileges=deny"
+        argv += ["-sandbox", f"on,obsolete=deny{privileges},resourcecontrol=deny"]
     return argv
 
 
