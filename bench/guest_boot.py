@@ -40,14 +40,12 @@ def floor(guest: Guest, work: Path, which: str, cmdline: list[str]) -> float:
 
 
 async def _ping(vm: GuestVM) -> tuple[float, float]:
-    import capnp
+    import capnp  # type: ignore[import-untyped]
 
-    from feos.guest import GuestClient
+    from feos.guest._client import GuestClient
 
     async with capnp.kj_loop():
-        while not vm.link_path.exists():  # noqa: ASYNC110 - QEMU makes it a few ms after it starts
-            await asyncio.sleep(0.005)
-        client = await GuestClient.connect(str(vm.link_path), deadline=90)
+        client = await GuestClient.connect(str(vm.wait_link(30)), deadline=90)
         hello = time.monotonic() - vm.started
         try:
             await client.ping()
