@@ -360,9 +360,18 @@ def install(stage: Path, dest: Path) -> None:
     tmp.rename(dest)
 
 
+def guest_dir(prefix: Path | None) -> Path:
+    """Where versions go: PREFIX/usr/lib/feos/guest; without --prefix, $FEOS_GUEST_DIR (which
+    feosd and the tests read) or /usr/lib/feos/guest."""
+    if prefix is None and (env := os.environ.get("FEOS_GUEST_DIR")):
+        return Path(env)
+    return (prefix or Path("/")) / "usr/lib/feos/guest"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hack/guest-image", description=__doc__.splitlines()[0])
-    ap.add_argument("--prefix", type=Path, default=Path("/"))
+    ap.add_argument("--prefix", type=Path, default=None,
+                    help="install into PREFIX/usr/lib/feos/guest (default: $FEOS_GUEST_DIR or /)")
     ap.add_argument("--work", type=Path, default=Path("/var/cache/feos-guest-build"))
     ap.add_argument("--repo", type=Path, default=HERE.parent.parent)
     ap.add_argument("--force", action="store_true", help="build even if the version is installed")
@@ -370,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     repo = args.repo.resolve()
     inputs = gather_inputs(repo)
     version = _plan.input_version(inputs)
-    dest = args.prefix / "usr/lib/feos/guest" / version
+    dest = guest_dir(args.prefix) / version
     if (dest / "manifest.json").exists() and not args.force:
         log(f"version {version} is installed")
         print(dest)
