@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import fcntl
 import grp
 import logging
 import os
@@ -29,6 +30,9 @@ from ._host import HostService, own_binary, replace_binary
 from ._lock import take_lock
 from ._sdnotify import notify
 from .net._stores import NameTableService, SecurityGroupService
+from .errors import FeosError
+from .net import Network, add_network_arguments, network_options_from_args
+from .net._listenfds import DnsSockets, prepare_exec, take_dns_sockets
 from .pods._service import PodService
 from .pods._stop import SuspendedForStop
 from .pods._volumes import VolumeService
@@ -75,13 +79,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="SECONDS",
         help="how long a stop may take before feosd is killed (default 300)",
     )
-    net = p.add_argument_group("the pods' network")
-    net.add_argument("--pod-prefix", help="the IPv6 prefix routed to this node, /1 to /120")
-    net.add_argument("--pod-ipv4-range", default="169.254.16.0/20")
-    net.add_argument("--dns-address", default="169.254.0.53")
-    net.add_argument("--otlp-address", default="169.254.169.1")
-    net.add_argument("--dns-upstream", action="append", default=[])
-    net.add_argument("--deny-prefix", action="append", default=[])
+    add_network_arguments(p.add_argument_group("the pods' network"))
     cp = p.add_argument_group("the control plane (not built yet: accepted and logged)")
     cp.add_argument("--control-plane", metavar="HOST:PORT")
     cp.add_argument("--control-plane-name")
@@ -99,6 +97,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             args.tcp_address = parse_tcp(args.tcp)
         except ValueError as exc:
             p.error(f"--tcp: {exc}")
+    try:
+        args.network = network_options_from_args(args)
+    except FeosError as exc:
+        p.error(exc.message)
     return args
 
 
@@ -155,8 +157,10 @@ def inherited_listeners(environ: dict[str, str]) -> dict[str, socket.socket]:
 
 
 class Daemon:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, dns_sockets: DnsSockets | None = None) -> None:
         self.args = args
+        self.dns_sockets = dns_sockets
+        self.network: Network | None = None
         self.state_dir: Path = args.state_dir
         self.run_dir: Path = args.run_dir
         self.volumes = VolumeService(self.state_dir)
@@ -199,7 +203,10 @@ class Daemon:
                 "accel": accel, "network": self.network_status()}
 
     def network_status(self) -> str:
-        return "not set up: feosd runs without --pod-prefix" if not self.args.pod_prefix else "up"
+        if self.network is None:
+            return "not started"
+        reason = self.network.unavailable()
+        return "up" if reason is None else f"not set up: {reason}"
 
     def request_upgrade(self, staged: Path) -> None:
         try:
@@ -223,7 +230,7 @@ class Daemon:
             "names": Cap(net.NameService, self.names),
             "host": Cap(host.HostService, self.host),
             "pods": Cap(pod.PodService, self.pods),
-            "traffic": Cap(net.TrafficService, object()),
+            "traffic": Cap(net.TrafficService, self.network.traffic if self.network else object()),
             "mesh": Cap(net.MeshService, object()),
         }
 
@@ -251,7 +258,9 @@ class Daemon:
         for sock in inherited.values():
             sock.close()
         # Copies of the listeners for a self-upgrade's exec: asyncio closes its own at the stop.
-        self.handover = {name: os.dup(sock.fileno()) for name, sock in self.listeners.items()}
+        # (from fd 10 on: a self-upgrade puts the resolver's sockets at 3 and 4)
+        self.handover = {name: fcntl.fcntl(sock.fileno(), fcntl.F_DUPFD_CLOEXEC, 10)
+                         for name, sock in self.listeners.items()}
 
     async def serve(self, inherited: dict[str, socket.socket]) -> None:
         lock_fd = await take_lock(self.state_dir / "feosd.lock")
@@ -263,6 +272,11 @@ class Daemon:
             await nursery.start(self.vms.run)
             self.pods = PodService(self.state_dir, self.vms, self.volumes, groups=self.groups,
                                    tables=self.names, bridge=bridge)
+            self.pods.load()
+            self.network = Network(self.args.network, self.state_dir, self.pods, self.groups,
+                                   self.names, dns_sockets=self.dns_sockets)
+            await nursery.start(self.network.run)
+            self.pods.attach_network(self.network)
             await nursery.start(self.pods.run)
             self.bind(inherited)
             bootstrap = self.bootstrap(bridge)
@@ -313,6 +327,8 @@ class Daemon:
             os.set_inheritable(fd, True)
             handed.append(f"{name}:{fd}")
         env = dict(os.environ, **{LISTEN_VARIABLE: ",".join(handed)})
+        if self.network is not None and self.network.dns_sockets is not None:
+            env.update(prepare_exec(self.network.dns_sockets))
         log.warning("upgrading: executing %s with the same pid", binary)
         logging.shutdown()
         os.close(lock_fd)  # close-on-exec anyway; the new program takes it again
@@ -347,7 +363,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if os.getpid() == 1:
         sys.exit("feosd: refusing to run as PID 1 (run it under systemd or feos-host-init)")
     inherited = inherited_listeners(os.environ)  # type: ignore[arg-type]
-    daemon = Daemon(args)
+    # Before any thread starts: the resolver's sockets handed over (systemd, a self-upgrade).
+    dns = take_dns_sockets(args.network.dns_address)
+    daemon = Daemon(args, dns)
     try:
         trio.run(daemon.serve, inherited)
     except KeyboardInterrupt:

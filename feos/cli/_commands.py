@@ -363,4 +363,11 @@ def _register_pod(nouns: Any) -> None:
     register_pod(nouns)
 
 
-NOUNS = [_register_pod, register_volume, register_group, register_names, register_host]
+def _register_traffic(nouns: Any) -> None:
+    from ._traffic import register_traffic
+
+    register_traffic(nouns)
+
+
+NOUNS = [_register_pod, register_volume, register_group, register_names, register_host,
+         _register_traffic]

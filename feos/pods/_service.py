@@ -126,15 +126,8 @@ class PodService:
 
     # -- running ---------------------------------------------------------------------------
 
-    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            await self._load()
-            nursery.start_soon(self._follow_vms, self._vms.subscribe())
-            task_status.started(self)
-            await trio.sleep_forever()
-
-    async def _load(self) -> None:
+    def load(self) -> None:
+        """Read the kept pods (before the network starts: its table is made from them)."""
         for pod_id, data in self._records.load().items():
             try:
                 pod = _from_record(data)
@@ -142,10 +135,40 @@ class PodService:
                 log.error("pod record %s is not valid (%s): left out", pod_id, exc)
                 continue
             self._pods[pod.id] = pod
-        await self._reconcile_volumes()
-        for pod in list(self._pods.values()):
-            await self._take_over(pod)
-        self._network_changed()
+
+    def attach_network(self, network: PodNetworkService) -> None:
+        self._network = network
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await self._reconcile_volumes()
+            await self._give_addresses()
+            for pod in list(self._pods.values()):
+                await self._take_over(pod)
+            self._network_changed()
+            loaded = getattr(self._network, "pods_loaded", None)
+            if loaded is not None:
+                loaded()  # the resolver answers the queries that waited
+            nursery.start_soon(self._follow_vms, self._vms.subscribe())
+            task_status.started(self)
+            await trio.sleep_forever()
+
+    async def _give_addresses(self) -> None:
+        """Kept pods with a network get the addresses they lack (one of an earlier network)."""
+        if self._network is None or self._network.unavailable() is not None:
+            return
+        for pod in self._pods.values():
+            if pod.spec.network is None:
+                continue
+            try:
+                net = await self._network.allocate(self._net(pod))
+            except FeosError as exc:
+                log.error("pod %s: no addresses: %s", pod.id, exc)
+                continue
+            if (net.ipv6, net.ipv4) != (pod.ipv6, pod.ipv4):
+                pod.ipv6, pod.ipv4 = net.ipv6, net.ipv4
+                await self._keep(pod)
 
     async def _reconcile_volumes(self) -> None:
         """Let go of volumes whose pod is gone; claim those of kept pods that name no pod."""

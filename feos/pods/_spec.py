@@ -28,11 +28,19 @@ _SHORT_ID = re.compile(r"[a-hjkmnp-tv-z][0-9a-hjkmnp-tv-z]{10}")
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 _VOLUME_NAME = re.compile(r"[a-z0-9-]{1,63}")
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# registry/repository[:tag][@sha256:digest], as `docker pull` takes it
-_IMAGE = re.compile(
-    r"(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*"
-    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?"
-)
+# [registry/]repository[:tag][@sha256:digest], as `docker pull` takes it: the first component is
+# a registry only when it has a dot or a port, or is localhost
+_REGISTRY = re.compile(r"(?:[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)+|localhost|\[[0-9a-fA-F:]+\])(?::[0-9]+)?"
+                       r"|[a-zA-Z0-9-]+:[0-9]+")
+_REPOSITORY = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+                         r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?")
+
+
+def is_image_reference(text: str) -> bool:
+    first, sep, rest = text.partition("/")
+    if sep and _REGISTRY.fullmatch(first):
+        return _REPOSITORY.fullmatch(rest) is not None
+    return _REPOSITORY.fullmatch(text) is not None
 
 MAX_VCPUS = 32
 MIN_MEMORY, MAX_MEMORY = 128, 262144
@@ -170,7 +178,7 @@ def _container(item: dict[str, Any], i: int, names: set[str]) -> Container:
     name, image = item.get("name", ""), item.get("image", "")
     if not is_label(name):
         raise invalid(f"{where}.name", "must be one lowercase DNS label (a-z, 0-9, -; 1 to 63)")
-    if not image or len(image) > 512 or not _IMAGE.fullmatch(image):
+    if not image or len(image) > 512 or not is_image_reference(image):
         raise invalid(f"{where}.image", "must be an OCI reference such as "
                                         "registry.example:5000/app:1.0")
     env = []
