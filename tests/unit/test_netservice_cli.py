@@ -45,13 +45,7 @@ def test_lines() -> None:
     assert "does not know" in record_line({"timeUnixNs": T})
 
 
-WATCH = (
-    "from feos.cli import _commands\n"
-    "from feos.cli._traffic import register_traffic\n"
-    "if register_traffic not in _commands.NOUNS: _commands.NOUNS.append(register_traffic)\n"
-    "from feos.cli._main import main\n"
-    "main()\n"
-)
+WATCH = "from feos.cli._main import main\nmain()\n"
 
 
 async def test_feosctl_traffic_watch_as_a_process(tmp_path: Path) -> None:
