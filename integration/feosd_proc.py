@@ -39,7 +39,7 @@ class Feosd:
     def spawn(self, *, prefix: list[str] | None = None) -> subprocess.Popen[bytes]:
         """Start the process without waiting for it to serve."""
         self.root.mkdir(parents=True, exist_ok=True)
-        log = open(self.log, "ab")  # noqa: SIM115  (the child keeps it)
+        log = open(self.log, "ab")
         self.proc = subprocess.Popen([*(prefix or []), *self.command()], stdout=log,
                                      stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)

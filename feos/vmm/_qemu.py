@@ -65,6 +65,7 @@ class _Live:
     exit: Exit | None = None
     ended: trio.Event = attrs.field(factory=trio.Event)
     reaping: bool = False
+    released: trio.Event = attrs.field(factory=trio.Event)
 
 
 def exit_of(code: int | None, signo: int | None, guest_shutdown: bool) -> Exit:
@@ -234,16 +235,24 @@ class QemuDriver:
 
     async def _reap(self, vm_id: str, live: _Live) -> Exit:
         """Wait for the end of the process and learn how it ended (once; others wait for it)."""
-        if live.reaping:  # another task reaps it: wait for its answer
-            await live.ended.wait()
-            assert live.exit is not None
+        while live.reaping:  # another task reaps it: wait for its answer, or its cancellation
+            released = live.released
+            await released.wait()
+        if live.exit is not None:
             return live.exit
         live.reaping = True
-        await trio.lowlevel.wait_readable(live.pidfd)
+        try:
+            await trio.lowlevel.wait_readable(live.pidfd)
+        except BaseException:
+            # A reaper cancelled (a delete cancels the watcher) hands the reaping on.
+            live.reaping = False
+            live.released.set()
+            live.released = trio.Event()
+            raise
         code, signo = _waitid(live.pidfd)
         shutdown = False
         if live.qmp is not None:
-            with trio.move_on_after(1):
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
                 with contextlib.suppress(FeosError):
                     await live.qmp.wait_event("__never__")  # drain up to EOF
             event = live.qmp.seen("SHUTDOWN")
@@ -252,6 +261,8 @@ class QemuDriver:
         live.exit = exit_of(code, signo, shutdown)
         os.close(live.pidfd)
         live.ended.set()
+        live.reaping = False
+        live.released.set()
         return live.exit
 
     async def shutdown(self, vm: VmHandle, *, grace: float) -> Exit:
