@@ -253,6 +253,13 @@ class FirecrackerDriver:
             return Exit(VmState.CRASHED, f"Firecracker was killed by signal {-code}")
         return Exit(VmState.CRASHED, f"Firecracker exited with {code}: {self._log_tail(vm_id)}")
 
+    def pid(self, vm: VmHandle) -> int | None:
+        return self._pid(vm.id)
+
+    def close(self) -> None:
+        """Let go of every Firecracker without ending it: the next service adopts them."""
+        self._procs.clear()
+
     def _pid(self, vm_id: str) -> int | None:
         """Firecracker's pid from the jailer's pid file, if that process is this microVM's."""
         proc = self._procs.get(vm_id)
