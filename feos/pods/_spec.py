@@ -228,6 +228,14 @@ def _metadata(text: str) -> str:
 
 def parse_spec(data: dict[str, Any]) -> PodSpec:
     """A checked, normalised spec from a PodSpec's dict; INVALID_ARGUMENT naming the field."""
+    try:
+        return _parse_spec(data)
+    except (AttributeError, TypeError, KeyError) as exc:
+        # The wire's types are the schema's; a spec from a file or a record may be anything.
+        raise invalid("spec", f"is not a PodSpec ({exc})") from None
+
+
+def _parse_spec(data: dict[str, Any]) -> PodSpec:
     volumes = _volumes(data.get("volumes", []))
     names = {name for name, _ in volumes}
     items = data.get("containers", [])
