@@ -221,9 +221,10 @@ class GuestVM:
         return self.connect_unix(self.link_path, timeout)
 
     def wait_link(self, timeout: float = 10.0) -> Path:
-        """Until QEMU has made guest.sock (without connecting: a connection is a session)."""
+        """Until QEMU listens on guest.sock, seen in /proc/net/unix rather than by connecting
+        (a connection is a session); between its bind and its listen a connect is refused."""
         end = time.monotonic() + self._left(timeout)
-        while not self.link_path.exists():
+        while not _listening(self.link_path):
             if self.proc.poll() is not None or time.monotonic() >= end:
                 raise self._timeout(f"no socket at {self.link_path}")
             time.sleep(_POLL)
@@ -264,6 +265,16 @@ class GuestVM:
                 raise self._timeout(f"the link closed (read {buf!r})")
             buf += chunk
         return buf
+
+
+def _listening(path: Path) -> bool:
+    """Whether a Unix socket listens at path (/proc/net/unix: flags __SO_ACCEPTCON, 0x10000)."""
+    with open("/proc/net/unix") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 8 and fields[7] == str(path) and int(fields[3], 16) & 0x10000:
+                return True
+    return False
 
 
 class Qmp:
