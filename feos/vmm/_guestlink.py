@@ -5,7 +5,7 @@ guest link (QEMU's guest.sock) again and again, backing off while there is no VM
 when kicked (a start, a resume). A session is the guest client's (feos.guest.GuestClient, on the
 Cap'n Proto thread, reached through the bridge): the agent's hello, then RPC, then its attach.
 After each attach the link pushes the wall time and, when the pod has an address, its network
-configuration, then says so (`on_attach`); a resume waits for that push and pings once. While a
+configuration, then says so (`on_attach`); after a resume it pings once first instead. While a
 session lives the clock loop keeps the guest's clock; when it ends (the VMM ended, the agent
 restarted) the link dials again.
 
@@ -190,7 +190,9 @@ class GuestLink:
         self._client: Any = None
         self._changed = trio.Event()
         self._kick = trio.Event()
-        self.attaches = 0  # sessions pushed so far (a resume waits for a new one)
+        self._resumed = False
+        self.sessions = 0  # sessions up so far
+        self.attaches = 0  # sessions greeted and pushed so far
         self.last_clock: ClockStep | None = None
 
     @property
@@ -201,12 +203,10 @@ class GuestLink:
         """Dial now: a VMM has just started or resumed."""
         self._kick.set()
 
-    async def session(self, within: float, *, after: int | None = None) -> Any:
-        """The attached guest's client (its session pushed), within `within` seconds.
-
-        `after`: a session newer than the attach count given (a resumed guest's)."""
+    async def session(self, within: float) -> Any:
+        """The guest's client once a session is up, within `within` seconds."""
         with trio.move_on_after(within):
-            while self._client is None or (after is not None and self.attaches <= after):
+            while self._client is None:
                 await self._changed.wait()
             return self._client
         raise FeosError(Code.UNAVAILABLE, f"the guest did not answer within {within:g}s")
@@ -214,11 +214,10 @@ class GuestLink:
     async def call(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         return await self._bridge.call(fn, *args)
 
-    async def after_resume(self, attaches_before: int) -> None:
-        """A resumed guest: wait for its new session (pushed on attach), then ping once."""
-        with trio.fail_after(RESUME_PING_S):
-            client = await self.session(RESUME_PING_S, after=attaches_before)
-            await self.call(client.ping)
+    def resumed(self) -> None:
+        """The VMM was resumed: dial now; the next session pings once, then pushes."""
+        self._resumed = True
+        self.kick()
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -226,7 +225,7 @@ class GuestLink:
         backoff = BACKOFF_MIN_S
         while True:
             try:
-                client = await self._dial()
+                client = await self.call(self._connect or connect_poking, str(self._path))
             except FeosError as exc:
                 log.debug("guest of %s: %s", self.vm_id, exc.message)
                 with trio.move_on_after(backoff):
@@ -245,30 +244,36 @@ class GuestLink:
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     await self.call(client.close)
 
-    async def _dial(self) -> Any:
-        connect = self._connect or connect_poking
-        client = await self.call(connect, str(self._path))
-        try:
-            attached = await self.call(_wait_attached, client, ATTACH_S)
-        except BaseException:
-            with trio.CancelScope(shield=True), trio.move_on_after(2):
-                await self.call(client.close)
-            raise
-        log.info("guest of %s attached: version %s, boot %s", self.vm_id,
-                 getattr(attached, "version", "?"), getattr(attached, "boot_id", "?"))  # fmt: skip
-        return client
-
     async def _serve(self, client: Any) -> None:
-        await self._push(client)
-        self.attaches += 1
+        resumed, self._resumed = self._resumed, False
+        self.sessions += 1
         self._set_client(client)
-        if self._on_attach is not None:
-            self._on_attach(client)
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._greet, client, resumed)
             nursery.start_soon(self._clock_loop, client)
             await self.call(_wait_ended, client)
             nursery.cancel_scope.cancel()
         log.info("guest of %s: the session ended", self.vm_id)
+
+    async def _greet(self, client: Any, resumed: bool) -> None:
+        """A resumed guest is pinged once (30 s: its memory may come page by page); a booted
+        one is waited for until it attaches. Then the wall time and the network are pushed."""
+        try:
+            if resumed:
+                with trio.fail_after(RESUME_PING_S):
+                    await self.call(client.ping)
+            else:
+                await self.call(_wait_attached, client, ATTACH_S)
+        except (FeosError, trio.TooSlowError) as exc:
+            log.warning("guest of %s did not answer its %s: %s", self.vm_id,
+                        "ping after the resume" if resumed else "attach", exc)  # fmt: skip
+            return
+        await self._push(client)
+        self.attaches += 1
+        self._signal()
+        log.info("guest of %s attached (boot %s)", self.vm_id, getattr(client, "boot_id", "?"))
+        if self._on_attach is not None:
+            self._on_attach(client)
 
     async def _push(self, client: Any) -> None:
         """The wall time, and the network configuration when the pod has an address."""
@@ -281,8 +286,16 @@ class GuestLink:
         except (FeosError, trio.TooSlowError) as exc:
             log.warning("guest of %s: pushing time and network failed: %s", self.vm_id, exc)
 
+    async def wait_attach(self, after: int) -> None:
+        """Until a session newer than `after` attaches has been greeted (no timeout here)."""
+        while self.attaches <= after:
+            await self._changed.wait()
+
     def _set_client(self, client: Any) -> None:
         self._client = client
+        self._signal()
+
+    def _signal(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
 

@@ -225,7 +225,7 @@ class QemuDriver:
                     raise FeosError(
                         Code.UNAVAILABLE, f"QEMU's QMP did not answer within {within}s"
                     ) from None
-            await trio.sleep(0.01)
+            await trio.sleep(0.002)
 
     async def wait(self, vm: VmHandle) -> Exit:
         live = self._live.get(vm.id)
@@ -341,10 +341,15 @@ class QemuDriver:
                    f"(past its timeout of {snapshot_timeout:g}s)")  # fmt: skip
 
     async def _finish_suspend(self, vm: VmHandle, live: _Live) -> None:
+        """The snapshot is whole: QEMU quits while the file is punched and synced beside it."""
         snap = vm.directory / "snapshot"
-        if (snap / f"{SNAPSHOT_FILE}.part").exists():
-            await trio.to_thread.run_sync(_fsync_rename, snap / f"{SNAPSHOT_FILE}.part",
-                                          snap / SNAPSHOT_FILE)  # fmt: skip
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._quit, vm, live)
+            if (snap / f"{SNAPSHOT_FILE}.part").exists():
+                await trio.to_thread.run_sync(_seal, snap / f"{SNAPSHOT_FILE}.part",
+                                              snap / SNAPSHOT_FILE)  # fmt: skip
+
+    async def _quit(self, vm: VmHandle, live: _Live) -> None:
         assert live.qmp is not None
         with contextlib.suppress(FeosError):
             await live.qmp.execute("quit")
@@ -352,7 +357,6 @@ class QemuDriver:
             await self._reap(vm.id, live)
         if scope.cancelled_caught:
             await self._kill(vm.id)
-        await trio.to_thread.run_sync(punch_zeros, snap / SNAPSHOT_FILE)
 
     async def late_snapshot_done(self, vm: VmHandle) -> None:
         """The late snapshot ended: run the VM again and discard the snapshot and the marker."""
@@ -548,7 +552,9 @@ def _write_json(path: Path, value: Any) -> None:
     tmp.replace(path)
 
 
-def _fsync_rename(src: Path, dst: Path) -> None:
+def _seal(src: Path, dst: Path) -> None:
+    """The zero pages punched out, the file synced, then named: a memory file is whole."""
+    punch_zeros(src)
     fd = os.open(src, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -656,7 +662,7 @@ async def _migrated(qmp: Qmp) -> str:
                 why = info.get("error-desc", "")
                 raise FeosError(Code.INTERNAL, f"QEMU's snapshot {status}: {why}")
             return str(status)
-        await trio.sleep(0.005)
+        await trio.sleep(0.002)
 
 
 async def _incoming_done(qmp: Qmp) -> str:
@@ -666,4 +672,4 @@ async def _incoming_done(qmp: Qmp) -> str:
         if status != "inmigrate":
             migration = (await qmp.execute("query-migrate")).get("status", "none")
             return "completed" if migration == "completed" else f"{status}/{migration}"
-        await trio.sleep(0.005)
+        await trio.sleep(0.002)

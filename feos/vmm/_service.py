@@ -270,9 +270,11 @@ class MicroVms:
             if is_noop(vm.record.state, "start"):
                 return self._info(vm)
             next_state(vm.record.state, "start")
+            assert vm.link is not None
+            attaches = vm.link.attaches
             await self._boot(vm)
             if wait_attach:
-                await self._await_attach(vm)
+                await self._await_attach(vm, attaches)
         return self._info(vm)
 
     async def _boot(self, vm: _Vm) -> None:
@@ -283,11 +285,12 @@ class MicroVms:
         if vm.link is not None:
             vm.link.kick()
 
-    async def _await_attach(self, vm: _Vm) -> None:
+    async def _await_attach(self, vm: _Vm, attaches: int) -> None:
         assert vm.link is not None
         try:
-            await vm.link.session(self._attach_timeout)
-        except FeosError:
+            with trio.fail_after(self._attach_timeout):
+                await vm.link.wait_attach(attaches)
+        except trio.TooSlowError:
             reason = f"the guest did not attach within {self._attach_timeout:g}s"
             await self._kill(vm)
             await self._record(vm, VmState.CRASHED, reason)
@@ -387,16 +390,11 @@ class MicroVms:
                 return self._info(vm)
             next_state(vm.record.state, "resume")
             assert vm.link is not None
-            before = vm.link.attaches
             await self._driver.resume(vm.handle, within=BOOT_S)
             await self._join_cgroup(vm)
             await self._record(vm, VmState.RUNNING, "")
             self._watch(vm)
-            vm.link.kick()
-            try:
-                await vm.link.after_resume(before)
-            except (FeosError, trio.TooSlowError) as exc:
-                log.warning("microVM %s: the resumed guest did not answer: %s", vm_id, exc)
+            vm.link.resumed()  # it pings the guest, then pushes the time and the network
         return self._info(vm)
 
     async def delete(self, vm_id: str) -> None:
