@@ -108,12 +108,21 @@ class HostService:
         return {}
 
     def _stage(self, binary: bytes) -> Path:
+        """The new program beside the old one, so that the move over it is one rename.
+
+        A copy is kept in <state-dir>/upgrade/ too, for the operator to see what was asked.
+        """
         from .records import write_whole
 
         directory = self._state_dir / "upgrade"
         directory.mkdir(parents=True, exist_ok=True)
-        staged = directory / "feosd"
-        write_whole(staged, binary)
+        write_whole(directory / "feosd", binary)
+        staged = self._binary.with_name(f".{self._binary.name}.upgrade")
+        try:
+            write_whole(staged, binary)
+        except OSError as exc:
+            raise FeosError(Code.FAILED_PRECONDITION,
+                            f"the new program cannot be written beside {self._binary}: {exc}") from exc
         os.chmod(staged, 0o755)
         return staged
 

@@ -390,7 +390,8 @@ class QemuDriver:
         await self._kill(vm.id)
         if vm.id not in self._live:
             pid = _pid_of(vm.directory)
-            if pid is not None:
+            # Only this microVM's QEMU: after a host's reboot its old pid may be anyone's.
+            if pid is not None and _is_ours(pid, vm.id, vm.directory):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         self._live.pop(vm.id, None)
