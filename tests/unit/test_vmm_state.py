@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from feos.errors import Code, FeosError
 from feos.vmm._driver import Driver, VmHandle, VmSpec, VmState
-from feos.vmm._qemu import QemuDriver, cmdline_names, exit_of, punch_zeros, zero_runs
+from feos.vmm._qemu import (
+    QemuDriver,
+    _aligned_zero_runs,
+    cmdline_names,
+    exit_of,
+    punch_zeros,
+    zero_runs,
+)  # fmt: skip
 from feos.vmm._service import is_noop, newest_guest, next_state
 
 S = VmState
@@ -132,3 +143,15 @@ def test_qemu_driver_is_a_driver_and_its_argv(tmp_path: Path) -> None:
         assert ["-runas", "2000000:2000000"] == argv[argv.index("-runas"):][:2]
         assert "elevateprivileges" not in joined
         assert "spawn=deny" in joined
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 3 * 4096)), max_size=12))
+def test_the_fast_zero_search_agrees_with_the_obvious_one(parts: list[tuple[bool, int]]) -> None:
+    data = b"".join(bytes(n) if zero else b"\x01" * n for zero, n in parts)
+    if len(data) < 4096:
+        return
+    with tempfile.TemporaryFile() as f:
+        f.write(data)
+        f.flush()
+        with mmap.mmap(f.fileno(), len(data), prot=mmap.PROT_READ) as view:
+            assert _aligned_zero_runs(view, len(data)) == zero_runs(data)
