@@ -5,6 +5,9 @@ less the whole seconds it has been kept, and it leaves the cache once its shorte
 out, so a client never holds a record longer than the upstream allowed. Only complete NOERROR and
 NXDOMAIN answers with at least one record are kept (a negative answer lives as long as its SOA);
 nothing truncated, failed or without a TTL. Pure: the caller gives the time.
+
+The key is made from wire bytes (`make_key`), so that the fast path (_dnsfast), which never parses
+a query into a Message, and the slow path (`cache_key` of a Forward) find the same entries.
 """
 
 from __future__ import annotations
@@ -15,12 +18,17 @@ from collections import OrderedDict
 import attrs
 
 from . import _dnsmsg as m
-from ._dnsresolver import Forward, restore_client
+from ._dnsresolver import Forward
 
 Key = tuple[object, ...]
 
+# Bits of a key beside RD (0x0100) and CD (0x0010), the header flags that change an answer.
+KEY_DO = 0x0001  # the query's OPT asks for DNSSEC records
+KEY_EDNS = 0x0002  # the query has an OPT: an answer with an OPT goes to no client without one
+KEY_FLAGS = m.RD | 0x0010
 
-@attrs.frozen
+
+@attrs.define(slots=True)
 class _Entry:
     wire: bytes
     stored: float
@@ -29,6 +37,8 @@ class _Entry:
     upstream: str | None
     rcode: int
     answers: tuple[str, ...]
+    aged: bytes  # wire with every TTL lowered by aged_for seconds: made once per second of age
+    aged_for: int = 0
 
 
 @attrs.frozen
@@ -39,12 +49,20 @@ class Hit:
     answers: tuple[str, ...]
 
 
+def make_key(upstreams: object, name: bytes, qtype_class: int, bits: int) -> Key:
+    """`name`: the question's name in wire form (uncompressed, root included) in lower case;
+    `qtype_class`: qtype << 16 | qclass; `bits`: the query's RD and CD, KEY_DO, KEY_EDNS."""
+    return (upstreams, name, qtype_class, bits)
+
+
 def cache_key(fwd: Forward) -> Key:
     q = fwd.query.questions[0]
     opt = fwd.query.opt()
-    dnssec_ok = bool(opt is not None and opt.ttl & 0x8000)
-    flags = fwd.query.flags & (m.RD | 0x0010)  # RD and CD change what an upstream answers
-    return (fwd.upstreams, tuple(x.lower() for x in q.name), q.qtype, q.qclass, flags, dnssec_ok)
+    bits = fwd.query.flags & KEY_FLAGS
+    if opt is not None:
+        bits |= KEY_EDNS | (KEY_DO if opt.ttl & 0x8000 else 0)
+    name = m.encode_name(tuple(x.lower() for x in q.name))
+    return make_key(fwd.upstreams, name, q.qtype << 16 | q.qclass, bits)
 
 
 class AnswerCache:
@@ -72,9 +90,8 @@ class AnswerCache:
         lifetime = min(self.max_ttl, *(ttl for _, ttl in ttls))
         if lifetime <= 0:
             return
-        self._entries[key] = _Entry(
-            wire, now, tuple(ttls), lifetime, upstream, flags & 0xF, answers
-        )
+        entry = _Entry(wire, now, tuple(ttls), lifetime, upstream, flags & 0xF, answers, wire)
+        self._entries[key] = entry
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
@@ -82,6 +99,18 @@ class AnswerCache:
     def get(self, key: Key, fwd: Forward, now: float) -> Hit | None:
         """The reply for this client, TTLs lowered, or None (never kept, expired, or too large for
         the client over UDP, which then asks upstream as it would without a cache)."""
+        name_end = 12 + len(m.encode_name(fwd.query.questions[0].name))
+        found = self.answer(key, now, fwd.limit, fwd.wire[:2], fwd.wire[12:name_end])
+        if found is None:
+            return None
+        wire, entry = found
+        return Hit(wire, entry.upstream, entry.rcode, entry.answers)
+
+    def answer(
+        self, key: Key, now: float, limit: int, ident: bytes, name: bytes
+    ) -> tuple[bytes, _Entry] | None:
+        """The kept reply with the client's ID (2 bytes) and its spelling of the question's name
+        (wire form, as long as the kept one: the key holds it in lower case), or None."""
         entry = self._entries.get(key)
         if entry is None:
             return None
@@ -89,10 +118,17 @@ class AnswerCache:
         if age >= entry.lifetime or now < entry.stored:
             del self._entries[key]
             return None
-        if len(entry.wire) > fwd.limit:
+        if len(entry.wire) > limit:
             return None
-        buf = bytearray(restore_client(entry.wire, fwd.query.id, fwd.wire))
-        for offset, ttl in entry.ttls:
-            struct.pack_into("!I", buf, offset, max(0, ttl - age))
+        if age != entry.aged_for:
+            entry.aged, entry.aged_for = _aged(entry, age), age
         self._entries.move_to_end(key)
-        return Hit(bytes(buf), entry.upstream, entry.rcode, entry.answers)
+        aged = entry.aged
+        return ident + aged[2:12] + name + aged[12 + len(name) :], entry
+
+
+def _aged(entry: _Entry, age: int) -> bytes:
+    buf = bytearray(entry.wire)
+    for offset, ttl in entry.ttls:
+        struct.pack_into("!I", buf, offset, max(0, ttl - age))
+    return bytes(buf)

@@ -115,7 +115,7 @@ def decide(
     pod_id = None if pod is None else pod.pod_id
     if query.opcode != 0:
         return _reply(query, m.NOTIMP, (), source, pod_id, transport, now)
-    if len(query.questions) != 1:
+    if len(query.questions) != 1 or not _plain_question(wire):
         return _reply(query, m.FORMERR, (), source, pod_id, transport, now)
     if pod is None:
         return _reply(query, m.REFUSED, (), source, None, transport, now)
@@ -304,6 +304,16 @@ def _question_in_place(wire: bytes, client_query: bytes) -> bool:
     """Whether the answer's question name is the client's, uncompressed at offset 12."""
     n = _question_name_length(client_query)
     return wire[12 : 12 + n].lower() == client_query[12 : 12 + n].lower()
+
+
+def _plain_question(wire: bytes) -> bool:
+    """Whether the question's name stands uncompressed at 12, as the answer's patching needs
+    (a pointer there could only point into the header: no client sends one)."""
+    try:
+        m.read_name(wire, 12, compressed=False)
+    except m.DnsFormatError:
+        return False
+    return True
 
 
 def _question_name_length(wire: bytes) -> int:

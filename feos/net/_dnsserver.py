@@ -21,7 +21,7 @@ import trio
 
 from . import _dnsresolver as r
 from ._dnscache import AnswerCache, cache_key
-from ._dnsmsg import name_text
+from ._dnsfast import cached_reply, slow_cached_reply
 from ._dnsupstream import DEFAULT_UPSTREAMS
 from ._listenfds import DnsSockets
 from ._nametable import Address, NameTable
@@ -31,6 +31,7 @@ TCP_IDLE = 10.0
 MAX_TCP_CONNECTIONS = 256
 MAX_INFLIGHT = 4096
 UDP_BATCH = 64
+ADDRESSES_KEPT = 4096
 
 SocketFactory = Callable[[int, int], socket.socket]
 Send = Callable[[bytes], Awaitable[None]]
@@ -83,6 +84,7 @@ class DnsServer:
         self._loaded = trio.Event()
         self._inflight = 0
         self._tcp_open = 0
+        self._addresses: dict[str, ipaddress.IPv4Address] = {}
         self.counters = DnsCounters()
 
     def pods_loaded(self) -> None:
@@ -101,11 +103,20 @@ class DnsServer:
     # --- the client side ---------------------------------------------------------------------
 
     async def _udp_loop(self, sock: socket.socket, nursery: trio.Nursery) -> None:
-        # The stdlib socket, non-blocking, read in batches: trio's socket methods cost a
-        # checkpoint per call, which is most of a cached answer's time.
+        # The stdlib socket, non-blocking, read until it is empty (or UDP_BATCH) per wake: trio's
+        # socket methods cost a checkpoint per call, which would be most of a cached answer's
+        # time. wait_readable is the one checkpoint per batch.
         sock.setblocking(False)
         while True:
             await trio.lowlevel.wait_readable(sock)
+            self._udp_batch(sock, nursery)
+
+    def _udp_batch(self, sock: socket.socket, nursery: trio.Nursery) -> None:
+        """Answer what waits in the socket, each at once; the records go out after the batch."""
+        now = time.time()
+        records: list[r.QueryRecord] = []
+        pods: dict[str, r.PodDns | None] = {}  # a source's pod, looked up once per batch
+        try:
             for _ in range(UDP_BATCH):
                 try:
                     data, peer = sock.recvfrom(65535)
@@ -114,15 +125,45 @@ class DnsServer:
                 except OSError:
                     continue  # an ICMP error queued on the socket: nothing to answer
                 self.counters.udp_queries += 1
-
-                async def send(wire: bytes, peer: tuple[str, int] = peer) -> None:
+                answer = self._udp_answer(data, peer, pods, now, sock, nursery)
+                if answer is not None:
                     try:
-                        sock.sendto(wire, peer)
-                    except BlockingIOError:
+                        sock.sendto(answer[0], peer)
+                    except OSError:
                         self.counters.send_errors += 1  # the buffer is full: the client retries
+                    records.append(answer[1])
+        finally:
+            for record in records:
+                self._on_record(record)
 
-                await self._handle(data, peer[0], "udp", send, nursery)
-            await trio.lowlevel.checkpoint()
+    def _udp_answer(
+        self,
+        data: bytes,
+        peer: tuple[str, int],
+        pods: dict[str, r.PodDns | None],
+        now: float,
+        sock: socket.socket,
+        nursery: trio.Nursery,
+    ) -> tuple[bytes, r.QueryRecord] | None:
+        """What to send now, from the fast path or the slow; None if nothing (yet)."""
+        source = peer[0]
+        pod = pods[source] if source in pods else pods.setdefault(source, self._pod_of(source))
+        if self._cache is not None:
+            hit = cached_reply(data, source, pod, self._defaults, self._cache, now)
+            if hit is not None:
+                self.counters.cache_hits += 1
+                return hit
+        action = self._act(data, source, pod, "udp", now)
+        if isinstance(action, r.Forward):
+            self._start_forward(nursery, action, self._udp_sender(sock, peer))
+            return None
+        return None if action is None else (action.wire, action.record)
+
+    def _udp_sender(self, sock: socket.socket, peer: tuple[str, int]) -> Send:
+        async def send(wire: bytes) -> None:
+            sock.sendto(wire, peer)  # non-blocking: a full buffer is an OSError, counted
+
+        return send
 
     async def _tcp_loop(self, listener: trio.socket.SocketType, nursery: trio.Nursery) -> None:
         while True:
@@ -150,7 +191,11 @@ class DnsServer:
             async with trio.open_nursery() as nursery:
                 while (data := await self._read_tcp_query(conn)) is not None:
                     self.counters.tcp_queries += 1
-                    await self._handle(data, source, "tcp", send, nursery)
+                    action = self._act(data, source, self._pod_of(source), "tcp", time.time())
+                    if isinstance(action, r.Forward):
+                        self._start_forward(nursery, action, send)
+                    elif action is not None:
+                        await self._send(send, action)
         except OSError:
             pass  # the client reset the connection: its answers have nowhere to go
         finally:
@@ -172,37 +217,45 @@ class DnsServer:
             return data
         return None
 
-    async def _handle(
-        self, data: bytes, source: str, transport: r.Transport, send: Send, nursery: trio.Nursery
-    ) -> None:
-        pod = self._pod_of(source)
+    def _act(
+        self, data: bytes, source: str, pod: r.PodDns | None, transport: r.Transport, now: float
+    ) -> r.Reply | r.Forward | None:
+        """The slow path: a Reply to send now, a Forward to start, or None (dropped)."""
         action = r.decide(
-            data,
-            source,
-            pod,
-            self._name_tables(),
-            self._defaults,
-            transport=transport,
-            now=time.time(),
+            data, source, pod, self._name_tables(), self._defaults, transport=transport, now=now
         )
         if isinstance(action, r.Drop):
             self.counters.dropped += 1
             if action.reason.startswith("shorter"):
                 self.counters.malformed += 1
-        elif isinstance(action, r.Reply):
+            return None
+        if isinstance(action, r.Reply):
             self._count(action)
-            await self._send(send, action)
-        elif self._inflight >= MAX_INFLIGHT:
+            return action
+        if self._cache is not None:
+            hit = slow_cached_reply(action, self._cache, now)
+            if hit is not None:
+                self.counters.cache_hits += 1
+                return hit
+        if self._inflight >= MAX_INFLIGHT:
             self.counters.overloaded += 1
-        elif not await self._from_cache(action, send):
-            self._inflight += 1
-            nursery.start_soon(self._forward, action, send)
+            return None
+        return action
+
+    def _start_forward(self, nursery: trio.Nursery, fwd: r.Forward, send: Send) -> None:
+        self._inflight += 1
+        nursery.start_soon(self._forward, fwd, send)
 
     def _pod_of(self, source: str) -> r.PodDns | None:
-        try:
-            address = ipaddress.IPv4Address(source)
-        except ValueError:
-            return None
+        address = self._addresses.get(source)
+        if address is None:
+            try:
+                address = ipaddress.IPv4Address(source)
+            except ValueError:
+                return None
+            if len(self._addresses) >= ADDRESSES_KEPT:
+                self._addresses.clear()
+            self._addresses[source] = address  # parsing one costs more than the whole answer
         return self._pod_for(address)
 
     def _count(self, reply: r.Reply) -> None:
@@ -220,30 +273,6 @@ class DnsServer:
         except OSError:
             self.counters.send_errors += 1
         self._on_record(reply.record)
-
-    async def _from_cache(self, fwd: r.Forward, send: Send) -> bool:
-        if self._cache is None:
-            return False
-        now = time.time()
-        hit = self._cache.get(cache_key(fwd), fwd, now)
-        if hit is None:
-            return False
-        self.counters.cache_hits += 1
-        q = fwd.query.questions[0]
-        record = r.QueryRecord(
-            now,
-            fwd.source,
-            fwd.pod,
-            name_text(q.name),
-            q.qtype,
-            hit.rcode,
-            hit.answers,
-            hit.upstream,
-            fwd.transport,
-            cached=True,
-        )
-        await self._send(send, r.Reply(hit.wire, record))
-        return True
 
     # --- the upstream side -------------------------------------------------------------------
 

@@ -235,3 +235,28 @@ def test_any_upstream_bytes_are_taken_or_ignored(data: bytes, ident: int) -> Non
         assert got is None or isinstance(got, r.Retry | r.Reply)
         if isinstance(got, r.Reply):
             assert m.parse_message(got.wire).id == 5
+
+
+def test_a_compressed_question_name_is_formerr() -> None:
+    # A pointer into the header parses (to one label here), but the answer is patched at the
+    # question's offset: such a query once crashed the server once an upstream answered it.
+    wire = bytes.fromhex("0007 0100 0001 0000 0000 0000") + b"\xc0\x05" + bytes.fromhex("00010001")
+    assert m.parse_message(wire).questions[0].name == (b"\x00",)
+    action = decide(wire)
+    assert reply_of(action).rcode == m.FORMERR
+
+
+def test_answers_with_an_opt_are_not_given_to_clients_without_one() -> None:
+    cache = AnswerCache()
+    fwd = decide(query("www.example.test", m.A, edns=1232))
+    name = (b"www", b"example", b"test")
+    rec = m.Record(name, m.A, 1, 30, bytes([192, 0, 2, 7]))
+    opt = m.Record((), m.OPT, 1232, 0, b"")
+    wire = m.build_message(
+        m.Message(3, m.QR | m.RD | m.RA, fwd.query.questions, (rec,), (), (opt,))
+    )
+    reply = r.accept_upstream(fwd, 3, UP[0], wire, 100.0)
+    cache.put(cache_key(fwd), reply.wire, 100.0, str(UP[0]), reply.record.answers)
+    plain = decide(query("www.example.test", m.A))
+    assert cache.get(cache_key(plain), plain, 101.0) is None
+    assert cache.get(cache_key(fwd), fwd, 101.0) is not None
