@@ -284,6 +284,8 @@ class Containers:
             raise FeosError(
                 Code.FAILED_PRECONDITION, f"container {name} is {c.status}, not running"
             )
+        if env:  # crun exec --env replaces the process's environment: keep it under the caller's
+            env = _oci.merge_env(_process_env(c.dir), env)
         cmd = [*self.crun, "exec"] + [f"--env={e}" for e in env] + [name, *argv]
         in_r, in_w = os.pipe2(os.O_CLOEXEC) if stdin else (None, None)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
@@ -295,6 +297,15 @@ class Containers:
                 if fd is not None:
                     os.close(fd)
         return child, in_w, out_r, err_r
+
+
+def _process_env(directory: str) -> list[str]:
+    """The environment a container's process runs with (its bundle's config.json)."""
+    try:
+        with open(os.path.join(directory, "bundle", "config.json"), "rb") as f:
+            return list(json.load(f)["process"]["env"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def _read(rootfs: str, rel: str) -> str:
