@@ -193,6 +193,7 @@ class GuestLink:
         self._resumed = False
         self.sessions = 0  # sessions up so far
         self.attaches = 0  # sessions greeted and pushed so far
+        self._greeted: Any = None  # the client whose session was greeted
         self.last_clock: ClockStep | None = None
 
     @property
@@ -204,9 +205,10 @@ class GuestLink:
         self._kick.set()
 
     async def session(self, within: float) -> Any:
-        """The guest's client once a session is up, within `within` seconds."""
+        """The guest's client once a session is up and greeted (the time and the network
+        pushed), within `within` seconds: no caller finds a guest without its network yet."""
         with trio.move_on_after(within):
-            while self._client is None:
+            while self._client is None or self._greeted is not self._client:
                 await self._changed.wait()
             return self._client
         raise FeosError(Code.UNAVAILABLE, f"the guest did not answer within {within:g}s")
@@ -269,6 +271,7 @@ class GuestLink:
                         "ping after the resume" if resumed else "attach", exc)  # fmt: skip
             return
         await self._push(client)
+        self._greeted = client
         self.attaches += 1
         self._signal()
         log.info("guest of %s attached (boot %s)", self.vm_id, getattr(client, "boot_id", "?"))
