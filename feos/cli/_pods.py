@@ -141,8 +141,33 @@ class ExitWith(Exception):
         self.code = code
 
 
+def exec_options(args: argparse.Namespace) -> list[str]:
+    """The command, and the options given after the ID: `pod exec ID -i --env K=V -- CMD...`.
+
+    The command takes the rest of the line (argparse.REMAINDER) from the first word after the
+    ID, so options between the ID and `--` arrive in it; they are taken out here.
+    """
+    rest = list(args.command)
+    if "--" not in rest or not rest[0].startswith("-"):
+        return rest  # no options: `pod exec ID CMD...` (a -- further on is the command's)
+    cut = rest.index("--")
+    before, command = rest[:cut], rest[cut + 1:]
+    if before:
+        more = argparse.ArgumentParser(prog="feosctl pod exec", add_help=False)
+        more.add_argument("-c", "--container", default=args.container)
+        more.add_argument("-i", "--stdin", action="store_true", default=args.stdin)
+        more.add_argument("--env", action="append", default=list(args.env))
+        try:
+            given = more.parse_args(before)
+        except SystemExit:
+            raise UsageError(f"pod exec: {' '.join(before)}: not options of pod exec "
+                             "(give the command after --)") from None
+        args.container, args.stdin, args.env = given.container, given.stdin, given.env
+    return command
+
+
 async def pod_exec(client: Client, args: argparse.Namespace) -> None:
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = exec_options(args)
     if not command:
         raise UsageError("pod exec: give the command after --")
     r = await client.call("pods", "execInPod", id=args.id, container=args.container,
