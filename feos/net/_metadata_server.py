@@ -95,6 +95,9 @@ class MetadataServer:
         self.random_bytes = random_bytes
         self._pods: dict[str, _Pod] = {}
         self._nursery: trio.Nursery | None = None
+        # One add at a time: two for a TAP at once (a bring-up that a restart cut off, and the
+        # start's pass over the running pods) would both bind, and the second fail EADDRINUSE.
+        self._adding = trio.Lock()
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled; pods are added with add_pod once this has started."""
@@ -114,6 +117,11 @@ class MetadataServer:
         new data, and a new socket if its TAP was made anew, and keeps its tokens."""
         if self._nursery is None:
             raise FeosError(Code.UNAVAILABLE, "the metadata service is not running")
+        async with self._adding:
+            await self._add_pod(tap, data)
+
+    async def _add_pod(self, tap: str, data: dict[str, Any]) -> None:
+        assert self._nursery is not None
         old = self._pods.get(tap)
         if old is not None:
             old.store.data = data
