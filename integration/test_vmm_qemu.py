@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -25,6 +26,7 @@ import trio
 
 import feos.rpc
 from feos.errors import Code, FeosError
+from feos.vmm import _cgroup
 from feos.vmm._driver import VmSpec, VmState
 from feos.vmm._qemu import QemuDriver, _is_ours
 from feos.vmm._service import Crashed, GuestAttached, MicroVms, Stopped, Suspended, newest_guest
@@ -38,6 +40,12 @@ PR_SET_CHILD_SUBREAPER = 36
 class Env:
     state: Path
     disks: Path
+    cgroups: Any
+
+    def service(self, bridge: Any, **kw: Any) -> MicroVms:
+        kw.setdefault("attach_timeout", 60)
+        return MicroVms(self.state, self.state / "run", bridge, accel="tcg", cgroups=self.cgroups,
+                        **kw)  # fmt: skip
 
     def disk(self, vm_id: str) -> str:
         path = self.disks / f"{vm_id}.img"
@@ -65,13 +73,15 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     root = tmp_path_factory.mktemp("vmm")
-    e = Env(root / "state", root / "disks")
+    e = Env(root / "state", root / "disks", _cgroup.detect())
     e.state.mkdir()
     e.disks.mkdir()
     try:
         yield e
     finally:
         _kill_all(e.state)
+        for vm_id in (A, B, C):
+            _cgroup.remove(e.cgroups, vm_id)
 
 
 def _kill_all(state: Path) -> None:
@@ -92,8 +102,7 @@ def _kill_all(state: Path) -> None:
 @pytest.fixture
 async def vms(env: Env) -> AsyncIterator[MicroVms]:
     async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as inner:
-        service = await inner.start(MicroVms(env.state, env.state / "run", bridge,
-                                             attach_timeout=60, accel="tcg").run)  # fmt: skip
+        service = await inner.start(env.service(bridge).run)
         yield service
         inner.cancel_scope.cancel()
 
@@ -133,6 +142,12 @@ async def test_create_start_attach_and_clock(env: Env, vms: MicroVms) -> None:
         d = env.state / "vms" / "qemu" / vm_id
         assert Path(f"/proc/{env.pid(vm_id)}/root").resolve() == d  # QEMU is chrooted
         assert os.stat(f"/proc/{env.pid(vm_id)}").st_uid >= 2_000_000  # as its own user
+        for cg in _cgroup.vm_dirs(env.cgroups, vm_id):  # its own cgroup, 100 a vCPU
+            assert env.pid(vm_id) in _cgroup.pids_in(cg)
+        weights = [_cgroup.weight_of(1), _cgroup.shares_of(1)]
+        cpu = next(d for d in _cgroup.vm_dirs(env.cgroups, vm_id) if "cpu" in d.parts)
+        assert any(int((cpu / f).read_text()) in weights
+                   for f in ("cpu.weight", "cpu.shares") if (cpu / f).exists())  # fmt: skip
     got = await _events(events)
     assert {e.id for e in got if isinstance(e, GuestAttached)} == {A, B}  # type: ignore[attr-defined]
 
@@ -168,6 +183,7 @@ async def test_takeover_after_kill_9(env: Env) -> None:
     script = f"""
 import sys, trio, feos.rpc
 from pathlib import Path
+from typing import Any
 from feos.vmm._service import MicroVms
 async def main():
     async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as n:
@@ -193,7 +209,7 @@ trio.run(main)
         if proc.stdout is not None:
             await proc.stdout.aclose()
     async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as n:
-        vms = await n.start(MicroVms(env.state, env.state / "run", bridge, accel="tcg").run)
+        vms = await n.start(env.service(bridge).run)
         assert vms.get(A).state is VmState.RUNNING
         assert env.pid(A) == pid_a  # not restarted
         assert vms.get(B).state is VmState.SUSPENDED
@@ -206,8 +222,7 @@ trio.run(main)
 async def test_late_snapshot_is_busy_then_runs_again(env: Env) -> None:
     async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as n:
         slow = QemuDriver(env.state, max_bandwidth=20 << 20)  # 20 MiB/s: seconds of snapshot
-        vms = await n.start(MicroVms(env.state, env.state / "run", bridge, accel="tcg",
-                                     driver=slow, snapshot_timeout=0.3).run)  # fmt: skip
+        vms = await n.start(env.service(bridge, driver=slow, snapshot_timeout=0.3).run)
         with pytest.raises(FeosError) as e:
             await vms.suspend(B, purge_guest=False)
         assert e.value.code == Code.UNAVAILABLE
@@ -247,13 +262,13 @@ async def test_shutdown_is_stopped_and_a_killed_qemu_crashed(env: Env, vms: Micr
 
 async def test_a_qmp_that_does_not_answer_after_a_restart(env: Env) -> None:
     async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as n:
-        vms = await n.start(MicroVms(env.state, env.state / "run", bridge, accel="tcg").run)
+        vms = await n.start(env.service(bridge).run)
         await vms.start(A)  # a stopped VM boots again
         pid = env.pid(A)
         n.cancel_scope.cancel()
     os.kill(pid, signal.SIGSTOP)  # QEMU's socket accepts, but nothing answers
     async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as n:
-        vms = await n.start(MicroVms(env.state, env.state / "run", bridge, accel="tcg").run)
+        vms = await n.start(env.service(bridge).run)
         info = vms.get(A)
         assert info.state is VmState.CRASHED
         assert "did not answer" in info.reason
@@ -263,8 +278,7 @@ async def test_a_qmp_that_does_not_answer_after_a_restart(env: Env) -> None:
 
 async def test_a_guest_that_never_attaches(env: Env) -> None:
     async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as n:
-        vms = await n.start(MicroVms(env.state, env.state / "run", bridge, accel="tcg",
-                                     attach_timeout=6).run)  # fmt: skip
+        vms = await n.start(env.service(bridge, attach_timeout=6).run)
         # The initramfs's shell as init: it waits on the console and never runs the agent.
         await vms.create(C, env.spec(C, kernel_extra=("rdinit=/bin/sh",)))
         with pytest.raises(FeosError) as e:
@@ -283,6 +297,7 @@ async def test_delete_removes_everything(env: Env, vms: MicroVms) -> None:
     assert vms.list() == []
     assert list((env.state / "vms" / "qemu").iterdir()) == []
     assert os.stat(disk).st_uid == 0  # the disk's owner given back
+    assert not any(d.exists() for v in (A, B, C) for d in _cgroup.vm_dirs(env.cgroups, v))
     with pytest.raises(FeosError) as e:
         vms.get(A)
     assert e.value.code == Code.NOT_FOUND

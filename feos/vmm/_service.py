@@ -208,6 +208,10 @@ class MicroVms:
         self._records = await trio.to_thread.run_sync(Records, self.state_dir / "vms.db")
         if self._accel is None:
             self._accel = await _detect_accel()
+        if self._cgroups is not None:
+            from . import _cgroup
+
+            await trio.to_thread.run_sync(_cgroup.prepare, self._cgroups)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
