@@ -1,1 +1,34 @@
-"""feos.vmm."""
+"""feos.vmm: the microVM layer under the pods.
+
+MicroVms is the service the pod service calls; a Driver (QEMU here, Firecracker where KVM runs
+guests) runs one kind of VMM. docs/vmm.md describes both.
+"""
+
+from ._budget import SuspendBudget as SuspendBudget
+from ._budget import suspend_budget as suspend_budget
+from ._budget import suspend_budget_mib as suspend_budget_mib
+from ._driver import Adopted as Adopted
+from ._driver import Driver as Driver
+from ._driver import Exit as Exit
+from ._driver import VmHandle as VmHandle
+from ._driver import VmSpec as VmSpec
+from ._driver import VmState as VmState
+from ._guestlink import GuestLink as GuestLink
+from ._kvm import KvmProbe as KvmProbe
+from ._kvm import kvm_probe as kvm_probe
+from ._kvm import kvm_probe_async as kvm_probe_async
+from ._qemu import QemuDriver as QemuDriver
+from ._qmp import Qmp as Qmp
+from ._qmp import connect_qmp as connect_qmp
+from ._records import Records as Records
+from ._records import VmRecord as VmRecord
+from ._records import check_id as check_id
+from ._service import Crashed as Crashed
+from ._service import GuestAttached as GuestAttached
+from ._service import GuestHandle as GuestHandle
+from ._service import MicroVms as MicroVms
+from ._service import Stopped as Stopped
+from ._service import Suspended as Suspended
+from ._service import VmEvent as VmEvent
+from ._service import VmInfo as VmInfo
+from ._service import newest_guest as newest_guest
