@@ -6,7 +6,8 @@ five of each, in the same run as its limits:
 - suspend: from the call to the snapshot on disk (fsynced) and QEMU ended, beside QEMU's own
   `stop` + `migrate "exec:cat > FILE"` with the bandwidth cap lifted and `quit`, of the same
   guest unconfined (target: under 1.5x);
-- resume: from the call to the guest answering Ping, beside QEMU's own `-incoming` to running
+- resume: from the call to the guest answering Ping (the resume's own, which the call waits
+  for), beside QEMU's own `-incoming` to running
   (target: under 1.5x), and beside a cold boot of the same guest to Ping (target: under 0.1x).
 
 Run as root: .venv/bin/python bench/vmm.py
@@ -60,8 +61,7 @@ async def ours(root: Path, bridge: Any, gdir: Path) -> dict[str, list[float]]:
         await trio.sleep(2)  # the agent's start settles
 
         async def resume() -> None:
-            await vms.resume(VM)
-            await (await vms.guest(VM)).ping()
+            await vms.resume(VM)  # it returns once the guest answered the link's Ping
 
         async def cold() -> None:
             await vms.start(VM)

@@ -191,6 +191,8 @@ class GuestLink:
         self._changed = trio.Event()
         self._kick = trio.Event()
         self._resumed = False
+        self._hold = False
+        self._pinged = trio.Event()
         self.sessions = 0  # sessions up so far
         self.attaches = 0  # sessions greeted and pushed so far
         self._greeted: Any = None  # the client whose session was greeted
@@ -202,6 +204,7 @@ class GuestLink:
 
     def kick(self) -> None:
         """Dial now: a VMM has just started or resumed."""
+        self._hold = False
         self._kick.set()
 
     async def session(self, within: float) -> Any:
@@ -216,16 +219,22 @@ class GuestLink:
     async def call(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         return await self._bridge.call(fn, *args)
 
-    def resumed(self) -> None:
-        """The VMM was resumed: dial now; the next session pings once, then pushes."""
+    def resuming(self) -> trio.Event:
+        """Before the VMM resumes: its next session (which may be dialed while the snapshot
+        still loads) pings once, then pushes. The event is set once the guest answered."""
         self._resumed = True
-        self.kick()
+        self._hold = True  # a poke sent while QEMU still loads the snapshot would be lost
+        self._pinged = trio.Event()
+        return self._pinged
 
     # -- the loop -------------------------------------------------------------------------
 
     async def run(self) -> None:
         backoff = BACKOFF_MIN_S
         while True:
+            while self._hold:
+                await self._kick.wait()
+                self._kick = trio.Event()
             try:
                 client = await self.call(self._connect or connect_poking, str(self._path))
             except FeosError as exc:
@@ -264,6 +273,7 @@ class GuestLink:
             if resumed:
                 with trio.fail_after(RESUME_PING_S):
                     await self.call(client.ping)
+                self._pinged.set()
             else:
                 await self.call(_wait_attached, client, ATTACH_S)
         except (FeosError, trio.TooSlowError) as exc:

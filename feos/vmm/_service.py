@@ -30,7 +30,7 @@ from feos.errors import Code, FeosError, busy
 
 from ._budget import suspend_budget_mib
 from ._driver import Driver, Exit, VmHandle, VmSpec, VmState
-from ._guestlink import GuestLink
+from ._guestlink import RESUME_PING_S, GuestLink
 from ._qemu import QemuDriver
 from ._records import Records, VmRecord, check_id
 
@@ -394,11 +394,17 @@ class MicroVms:
                 return self._info(vm)
             next_state(vm.record.state, "resume")
             assert vm.link is not None
+            pinged = vm.link.resuming()
             await self._driver.resume(vm.handle, within=BOOT_S)
             await self._join_cgroup(vm)
             await self._record(vm, VmState.RUNNING, "")
             self._watch(vm)
-            vm.link.resumed()  # it pings the guest, then pushes the time and the network
+            vm.link.kick()  # it pings the guest, then pushes the time and the network
+            with trio.move_on_after(RESUME_PING_S) as waited:
+                await pinged.wait()
+            if waited.cancelled_caught:
+                log.warning("microVM %s: the resumed guest did not answer its ping within "
+                            "%gs", vm_id, RESUME_PING_S)  # fmt: skip
         return self._info(vm)
 
     async def delete(self, vm_id: str) -> None:
