@@ -1,7 +1,8 @@
 """The pods' disks, as files until diskd serves them (docs/operations.md, "Disks").
 
 A pod's disk is <state-dir>/disk/pods/<id>.img, made on the guest's blank data volume (its
-data.img.zst unpacked sparse) the first time the pod boots, and kept across stops until the pod
+data.img.zst unpacked sparse, once per guest version into <state-dir>/disk/blank/<version>.img,
+then copied sparse) the first time the pod boots, and kept across stops until the pod
 is deleted. A volume's disk is <state-dir>/volumes/<id>.disk, a sparse file of the volume's size
 made at its first boot; the guest formats it.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import trio
@@ -22,16 +24,34 @@ def pod_disk(state_dir: Path, pod_id: str) -> Path:
     return state_dir / "disk" / "pods" / f"{pod_id}.img"
 
 
-def _unpack(blank: Path, disk: Path, size_mib: int) -> None:
-    disk.parent.mkdir(parents=True, exist_ok=True)
-    tmp = disk.with_name(f".{disk.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    done = subprocess.run(["zstd", "-q", "-d", "--sparse", "-f", "-o", str(tmp), str(blank)],
-                          capture_output=True, text=True)
+def _run(argv: list[str], tmp: Path, what: str) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise FeosError(Code.INTERNAL, f"the blank data volume {blank} did not unpack: "
-                                       f"{done.stderr.strip()}")
+        raise FeosError(Code.INTERNAL, f"{what}: {done.stderr.strip()}")
+
+
+def _unpacked(blank: Path, cache: Path) -> Path:
+    """The guest's blank data volume unpacked, once per guest version: zstd goes through all of
+    its gigabytes of zeros (seconds under load), a sparse copy of the result takes milliseconds."""
+    if cache.exists():
+        return cache
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    _run(["zstd", "-q", "-d", "--sparse", "-f", "-o", str(tmp), str(blank)], tmp,
+         f"the blank data volume {blank} did not unpack")
+    os.rename(tmp, cache)  # two pods at once unpack the same bytes: either rename wins
+    fsync_dir(cache.parent)
+    return cache
+
+
+def _unpack(blank: Path, disk: Path, size_mib: int) -> None:
+    disk.parent.mkdir(parents=True, exist_ok=True)
+    unpacked = _unpacked(blank, disk.parent.parent / "blank" / f"{blank.parent.name}.img")
+    tmp = disk.with_name(f".{disk.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    _run(["cp", "--sparse=always", "--reflink=auto", str(unpacked), str(tmp)], tmp,
+         f"the blank data volume {unpacked} did not copy")
     if size_mib and tmp.stat().st_size < size_mib << 20:
         os.truncate(tmp, size_mib << 20)  # the guest grows the filesystem to the disk
     os.rename(tmp, disk)
