@@ -19,6 +19,7 @@ import attrs
 
 from . import _dnsmsg as m
 from ._dnsresolver import Forward
+from ._nametable import Address
 
 Key = tuple[object, ...]
 
@@ -49,10 +50,27 @@ class Hit:
     answers: tuple[str, ...]
 
 
-def make_key(upstreams: object, name: bytes, qtype_class: int, bits: int) -> Key:
+_UPSTREAM_TEXTS_KEPT = 1024
+_upstream_texts: dict[int, tuple[tuple[Address, ...], str]] = {}  # by id, the tuple held
+
+
+def upstreams_text(upstreams: tuple[Address, ...]) -> str:
+    """The upstreams as one string, for keys: an address's hash is Python code, run on every
+    lookup, a string's is computed once. Kept per tuple, which the pods' records share."""
+    known = _upstream_texts.get(id(upstreams))
+    if known is not None and known[0] is upstreams:
+        return known[1]
+    text = " ".join(map(str, upstreams))
+    if len(_upstream_texts) >= _UPSTREAM_TEXTS_KEPT:
+        _upstream_texts.clear()
+    _upstream_texts[id(upstreams)] = (upstreams, text)
+    return text
+
+
+def make_key(upstreams: tuple[Address, ...], name: bytes, qtype_class: int, bits: int) -> Key:
     """`name`: the question's name in wire form (uncompressed, root included) in lower case;
     `qtype_class`: qtype << 16 | qclass; `bits`: the query's RD and CD, KEY_DO, KEY_EDNS."""
-    return (upstreams, name, qtype_class, bits)
+    return (upstreams_text(upstreams), name, qtype_class, bits)
 
 
 def cache_key(fwd: Forward) -> Key:

@@ -21,8 +21,14 @@ from ._nametable import Address
 _ONE_QUESTION = b"\x00\x01\x00\x00\x00\x00\x00\x00"  # qd an ns ar: 1 0 0 0
 _ONE_QUESTION_OPT = b"\x00\x01\x00\x00\x00\x00\x00\x01"  # and one additional: the OPT
 _OPT_HEAD = b"\x00\x00\x29"  # the root name, type 41
-_NAMES_KEPT = 4096
-_names: dict[bytes, str] = {}  # a question's name in wire form as the records spell it
+_SCANS_KEPT = 4096
+_SCANNED_AT_MOST = 512  # bytes of a query whose scan is kept: at most 2 MB kept in all
+
+# What a scan finds: the offset after the question's name, qtype << 16 | qclass, the most the
+# client takes over UDP, the key's bits, the name in lower case, the name as records spell it.
+Scan = tuple[int, int, int, int, bytes, str]
+_scans: dict[bytes, Scan | None] = {}  # by the query's bytes after its ID: pods repeat queries
+_UNSEEN: Scan = (0, 0, 0, 0, b"", "")
 
 
 def cached_reply(
@@ -35,28 +41,21 @@ def cached_reply(
     transport: Transport = "udp",
 ) -> tuple[bytes, QueryRecord] | None:
     """The answer from the cache and its record, or None: the slow path decides."""
-    if pod is None or not 17 <= len(data) <= MAX_MESSAGE or data[2] & 0xF8:  # QR, opcode
+    if pod is None:
         return None
-    counts = data[4:12]
-    end = _name_end(data)
-    if not end or end + 4 > len(data):
+    after_id = data[2:]
+    scan = _scans.get(after_id, _UNSEEN)
+    if scan is _UNSEEN:
+        scan = _scan(data)
+        if len(data) <= _SCANNED_AT_MOST:
+            if len(_scans) >= _SCANS_KEPT:
+                _scans.clear()
+            _scans[after_id] = scan
+    if scan is None:
         return None
-    qtype_class = int.from_bytes(data[end : end + 4], "big")
-    if qtype_class & 0xFFFF == 1 and end == 14 + data[12]:
-        return None  # one label of class IN: the pod's name tables may hold it
-    bits = ((data[2] << 8) | data[3]) & KEY_FLAGS
-    limit = 512 if transport == "udp" else MAX_MESSAGE
-    if counts == _ONE_QUESTION_OPT:
-        opt = _opt(data, end + 4)
-        if opt < 0:
-            return None
-        bits |= KEY_EDNS | (opt & KEY_DO)
-        if transport == "udp":
-            limit = max(512, opt >> 8)
-    elif counts != _ONE_QUESTION:
-        return None
-    upstreams = pod.upstreams or default_upstreams
-    key = make_key(upstreams, data[12:end].lower(), qtype_class, bits)
+    end, qtype_class, udp_limit, bits, lower, text = scan
+    key = make_key(pod.upstreams or default_upstreams, lower, qtype_class, bits)
+    limit = udp_limit if transport == "udp" else MAX_MESSAGE
     found = cache.answer(key, now, limit, data[:2], data[12:end])
     if found is None:
         return None
@@ -65,7 +64,7 @@ def cached_reply(
         now,
         source,
         pod.pod_id,
-        _name_text(data[12:end]),
+        text,
         qtype_class >> 16,
         entry.rcode,
         entry.answers,
@@ -74,6 +73,29 @@ def cached_reply(
         cached=True,
     )
     return wire, record
+
+
+def _scan(data: bytes) -> Scan | None:
+    """What the fast path needs of a query, or None if the query is not one it answers."""
+    if not 17 <= len(data) <= MAX_MESSAGE or data[2] & 0xF8:  # QR, opcode
+        return None
+    end = _name_end(data)
+    if not end or end + 4 > len(data):
+        return None
+    qtype_class = int.from_bytes(data[end : end + 4], "big")
+    if qtype_class & 0xFFFF == 1 and end == 14 + data[12]:
+        return None  # one label of class IN: the pod's name tables may hold it
+    bits, limit, counts = ((data[2] << 8) | data[3]) & KEY_FLAGS, 512, data[4:12]
+    if counts == _ONE_QUESTION_OPT:
+        opt = _opt(data, end + 4)
+        if opt < 0:
+            return None
+        bits |= KEY_EDNS | (opt & KEY_DO)
+        limit = max(512, opt >> 8)
+    elif counts != _ONE_QUESTION:
+        return None
+    name = data[12:end]
+    return end, qtype_class, limit, bits, name.lower(), _name_text(name)
 
 
 def _name_end(data: bytes) -> int:
@@ -103,17 +125,11 @@ def _opt(data: bytes, pos: int) -> int:
 
 
 def _name_text(wire: bytes) -> str:
-    text = _names.get(wire)
-    if text is None:
-        labels, pos = [], 0
-        while wire[pos]:
-            labels.append(wire[pos + 1 : pos + 1 + wire[pos]])
-            pos += 1 + wire[pos]
-        text = name_text(tuple(labels))
-        if len(_names) >= _NAMES_KEPT:
-            _names.clear()
-        _names[wire] = text
-    return text
+    labels, pos = [], 0
+    while wire[pos]:
+        labels.append(wire[pos + 1 : pos + 1 + wire[pos]])
+        pos += 1 + wire[pos]
+    return name_text(tuple(labels))
 
 
 def slow_cached_reply(fwd: Forward, cache: AnswerCache, now: float) -> Reply | None:

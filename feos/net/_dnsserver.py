@@ -33,6 +33,8 @@ MAX_INFLIGHT = 4096
 UDP_BATCH = 64
 ADDRESSES_KEPT = 4096
 
+_UNKNOWN = r.PodDns("")  # a source not looked up yet in this batch
+
 SocketFactory = Callable[[int, int], socket.socket]
 Send = Callable[[bytes], Awaitable[None]]
 
@@ -112,48 +114,56 @@ class DnsServer:
             self._udp_batch(sock, nursery)
 
     def _udp_batch(self, sock: socket.socket, nursery: trio.Nursery) -> None:
-        """Answer what waits in the socket, each at once; the records go out after the batch."""
-        now = time.time()
+        """Answer what waits in the socket, each at once; the records go out after the batch.
+        The hot loop: what it calls once per query is bound to locals first."""
+        now, counters = time.time(), self.counters
         records: list[r.QueryRecord] = []
         pods: dict[str, r.PodDns | None] = {}  # a source's pod, looked up once per batch
+        recvfrom, sendto, append = sock.recvfrom, sock.sendto, records.append
+        cache, defaults = self._cache, self._defaults
+        queries = hits = 0
         try:
             for _ in range(UDP_BATCH):
                 try:
-                    data, peer = sock.recvfrom(65535)
+                    data, peer = recvfrom(65535)
                 except BlockingIOError:
                     break
                 except OSError:
                     continue  # an ICMP error queued on the socket: nothing to answer
-                self.counters.udp_queries += 1
-                answer = self._udp_answer(data, peer, pods, now, sock, nursery)
+                queries += 1
+                source = peer[0]
+                pod = pods.get(source, _UNKNOWN)
+                if pod is _UNKNOWN:
+                    pod = pods[source] = self._pod_of(source)
+                answer = (
+                    None if cache is None else cached_reply(data, source, pod, defaults, cache, now)
+                )
                 if answer is not None:
-                    try:
-                        sock.sendto(answer[0], peer)
-                    except OSError:
-                        self.counters.send_errors += 1  # the buffer is full: the client retries
-                    records.append(answer[1])
+                    hits += 1
+                elif (answer := self._udp_slow(data, peer, pod, now, sock, nursery)) is None:
+                    continue
+                try:
+                    sendto(answer[0], peer)
+                except OSError:
+                    counters.send_errors += 1  # the buffer is full: the client retries
+                append(answer[1])
         finally:
+            counters.udp_queries += queries
+            counters.cache_hits += hits
             for record in records:
                 self._on_record(record)
 
-    def _udp_answer(
+    def _udp_slow(
         self,
         data: bytes,
         peer: tuple[str, int],
-        pods: dict[str, r.PodDns | None],
+        pod: r.PodDns | None,
         now: float,
         sock: socket.socket,
         nursery: trio.Nursery,
     ) -> tuple[bytes, r.QueryRecord] | None:
-        """What to send now, from the fast path or the slow; None if nothing (yet)."""
-        source = peer[0]
-        pod = pods[source] if source in pods else pods.setdefault(source, self._pod_of(source))
-        if self._cache is not None:
-            hit = cached_reply(data, source, pod, self._defaults, self._cache, now)
-            if hit is not None:
-                self.counters.cache_hits += 1
-                return hit
-        action = self._act(data, source, pod, "udp", now)
+        """The slow path of a UDP query: what to send now, or None (dropped, or forwarded)."""
+        action = self._act(data, peer[0], pod, "udp", now)
         if isinstance(action, r.Forward):
             self._start_forward(nursery, action, self._udp_sender(sock, peer))
             return None
