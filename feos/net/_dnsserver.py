@@ -22,6 +22,7 @@ import trio
 from . import _dnsresolver as r
 from ._dnscache import AnswerCache, cache_key
 from ._dnsfast import cached_reply, slow_cached_reply
+from ._dnsmmsg import Batcher, open_batcher
 from ._dnsupstream import DEFAULT_UPSTREAMS
 from ._listenfds import DnsSockets
 from ._nametable import Address, NameTable
@@ -73,6 +74,7 @@ class DnsServer:
         upstream_port: int = 53,
         socket_factory: SocketFactory = socket.socket,
         cache: AnswerCache | None = None,
+        udp_batching: bool = True,
     ) -> None:
         self._sockets = sockets
         self._pod_for = pod_for
@@ -83,6 +85,7 @@ class DnsServer:
         self._port = upstream_port
         self._socket_factory = socket_factory
         self._cache = cache
+        self._udp_batching = udp_batching  # recvmmsg/sendmmsg where libc has them (_dnsmmsg)
         self._loaded = trio.Event()
         self._inflight = 0
         self._tcp_open = 0
@@ -109,9 +112,43 @@ class DnsServer:
         # socket methods cost a checkpoint per call, which would be most of a cached answer's
         # time. wait_readable is the one checkpoint per batch.
         sock.setblocking(False)
+        batcher = open_batcher(sock, UDP_BATCH) if self._udp_batching else None
         while True:
             await trio.lowlevel.wait_readable(sock)
-            self._udp_batch(sock, nursery)
+            if batcher is None:
+                self._udp_batch(sock, nursery)
+            else:
+                self._udp_mmsg(batcher, sock, nursery)
+
+    def _udp_mmsg(self, batcher: Batcher, sock: socket.socket, nursery: trio.Nursery) -> None:
+        """_udp_batch with one system call to read the batch and one to send its answers."""
+        now, counters, datagrams = time.time(), self.counters, batcher.receive()
+        records: list[r.QueryRecord] = []
+        pods: dict[str, r.PodDns | None] = {}
+        queue, append, cache, defaults = batcher.queue, records.append, self._cache, self._defaults
+        hits = 0
+        try:
+            for i, (data, source) in enumerate(datagrams):
+                pod = pods.get(source, _UNKNOWN)
+                if pod is _UNKNOWN:
+                    pod = pods[source] = self._pod_of(source)
+                answer = (
+                    None if cache is None else cached_reply(data, source, pod, defaults, cache, now)
+                )
+                if answer is not None:
+                    hits += 1
+                elif (
+                    answer := self._udp_slow(data, batcher.peer(i), pod, now, sock, nursery)
+                ) is None:
+                    continue
+                queue(i, answer[0])
+                append(answer[1])
+        finally:
+            counters.udp_queries += len(datagrams)
+            counters.cache_hits += hits
+            counters.send_errors += batcher.flush()
+            for record in records:
+                self._on_record(record)
 
     def _udp_batch(self, sock: socket.socket, nursery: trio.Nursery) -> None:
         """Answer what waits in the socket, each at once; the records go out after the batch.

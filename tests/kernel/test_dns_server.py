@@ -141,7 +141,13 @@ def topology(make_netns: Callable[[str], Netns], tmp_path: Any) -> Iterator[dict
 
 
 class Harness:
-    def __init__(self, topo: dict[str, Any], pods: dict[str, PodDns], cache: bool = False) -> None:
+    def __init__(
+        self,
+        topo: dict[str, Any],
+        pods: dict[str, PodDns],
+        cache: bool = False,
+        udp_batching: bool = True,
+    ) -> None:
         self.topo = topo
         self.pods = pods
         self.records: list[QueryRecord] = []
@@ -165,6 +171,7 @@ class Harness:
             upstream_timeout=0.5,
             socket_factory=factory,
             cache=AnswerCache() if cache else None,
+            udp_batching=udp_batching,
         )
 
     async def dig(self, *args: str, source: str = POD_IP) -> str:
@@ -376,3 +383,23 @@ async def check_cache(h: Harness) -> None:
     assert ttl(second) < ttl(first)
     assert h.server.counters.cache_hits == 1
     assert h.records[-1].cached
+
+
+async def test_the_loop_without_batching_answers_alike(topology: dict[str, Any]) -> None:
+    # recvfrom/sendto, where libc lacks recvmmsg: the same answers, records and counts.
+    pods = {POD_IP: PodDns("a1b2c3d4e5f", ("web",), ())}
+    async with serving(Harness(topology, pods, cache=True, udp_batching=False)) as h:
+        await check_cache(h)
+        assert (await h.dig("db", "A", "+short")).strip() == "10.1.0.5"
+        assert status(await h.dig("db", "A", source=STRANGER_IP)) == "REFUSED"
+        udp = trio.socket.from_stdlib_socket(h.pod_socket(socket.SOCK_DGRAM))
+        await udp.sendto(b"\x01\x02\x03", (str(RESOLVER), 53))
+        await udp.sendto(
+            b"\xab\xcd\x01\x00\x00\x01" + bytes(6) + b"\x09garbage", (str(RESOLVER), 53)
+        )
+        with trio.fail_after(5):
+            assert m.parse_message(await udp.recv(512)).rcode == m.FORMERR
+        udp.close()
+        counters = h.server.counters
+        assert (counters.udp_queries, counters.malformed, counters.refused) == (6, 2, 1)
+        assert [r.cached for r in h.records] == [False, True, False, False, False]
