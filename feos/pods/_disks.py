@@ -24,6 +24,9 @@ def pod_disk(state_dir: Path, pod_id: str) -> Path:
     return state_dir / "disk" / "pods" / f"{pod_id}.img"
 
 
+_UNPACKING = threading.Lock()
+
+
 def _run(argv: list[str], tmp: Path, what: str) -> None:
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
@@ -34,13 +37,18 @@ def _run(argv: list[str], tmp: Path, what: str) -> None:
 def _unpacked(blank: Path, cache: Path) -> Path:
     """The guest's blank data volume unpacked, once per guest version: zstd goes through all of
     its gigabytes of zeros (seconds under load), a sparse copy of the result takes milliseconds."""
-    if cache.exists():
-        return cache
+    with _UNPACKING:  # pods booting at once for the first time: one unpacks, the rest wait
+        if cache.exists():
+            return cache
+        return _unpack_blank(blank, cache)
+
+
+def _unpack_blank(blank: Path, cache: Path) -> Path:
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
     _run(["zstd", "-q", "-d", "--sparse", "-f", "-o", str(tmp), str(blank)], tmp,
          f"the blank data volume {blank} did not unpack")
-    os.rename(tmp, cache)  # two pods at once unpack the same bytes: either rename wins
+    os.rename(tmp, cache)
     fsync_dir(cache.parent)
     return cache
 
