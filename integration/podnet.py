@@ -23,6 +23,16 @@ internet namespace, and the pods' IPv4 leaves masqueraded to 192.0.2.2. The pod 
 so pods get a route for fc00::/7 rather than a default (the registry is reached over IPv4).
 Nothing leaves the two namespaces: feosd reaches nothing else.
 
+The interface (module-scope it: `with PodNet(tmp_path_factory.mktemp(...), *feosd_args) as net`):
+- `net.ctl(*argv, check=True)`, `net.ctl_json(*argv)`, `net.ctl_popen(*argv)` (a caller that
+  may go away), `net.exec(pod, *command, check=True)`: feosctl against the node's socket;
+- `net.wait_state(pod, state)`, `net.qemus()` ({pod: QEMU pid}), `net.links()` (the node
+  namespace's link names: `pod-<ID>` TAPs), `net.state_dir`, `net.spec_file(name, spec)`;
+- `net.kill_feosd()` (kill -9), `net.stop_feosd()` (SIGTERM; its exit code), `net.start_feosd()`
+  (a new feosd on the same directories), `net.feosd` (integration/feosd_proc.Feosd);
+- `net.in_node(*argv)`, `net.in_inet(*argv)`: a command line run in either namespace;
+- `IMAGE`, `BAD_USER_IMAGE`, `REGISTRY_V4`, `REGISTRY_NAME`, `PREFIX`, `IPV4_RANGE`.
+
 `close()` (also after a failure) kills feosd and every QEMU of its state directory (the
 microVMs outlive feosd by design), then every process still in the node namespace, stops the
 registry and dnsmasq, and deletes both namespaces (their veth and TAPs go with them).

@@ -1,0 +1,189 @@
+"""A pod's create to RUNNING beside the guest's own boot to its first Ping, one and ten at once.
+
+Run as root: .venv/bin/python bench/pods.py [--runs 5] [--ten-runs 2]
+
+The node is integration/podnet.py's: feosd in a network namespace of its own, a registry of the
+busybox image in another. What is timed, under the same QEMU driver (feos.vmm's MicroVms: chroot,
+own user, seccomp, TCG here), 1 vCPU and 512 MiB each:
+
+- create to RUNNING: `feosctl pod create ID --wait --image <registry>/feos/busybox:1 --cmd sleep
+  600`, from feosctl's start to its exit with the pod RUNNING (what a user waits for: the disk made,
+  the TAP, the boot, the attach, the network pushed, the pull, the container made and started);
+  the pod's own figure (its record's changedUnixNs - createdUnixNs) is shown beside it;
+- the floor: a bare microVM of the same guest, through MicroVms in this process, from `start` to
+  the first answered Ping (its data disk made before the clock starts);
+- the same ten at once: ten pods created by ten feosctl at the same moment, to the last RUNNING,
+  beside ten bare microVMs started at once, to the last Ping.
+
+The rounds alternate floor and pod so the machine's load (two cores, shared) falls on both alike;
+the ratios are of medians (the least of each is printed beside them, for a loaded machine).
+Each single pod's bring-up is broken down by its events (disk, vm, guest, containers).
+Targets: one pod under 1.3x its guest's boot; ten at once under 1.3x ten bare boots as well: what
+a pod adds (TAP, records, the pull from the registry, crun) is per pod and small beside a boot
+under TCG, and feosd serialises only its records and table writes, which are milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "integration"))
+
+from podnet import BIN, IMAGE, PodNet  # noqa: E402
+
+from feos.pods._disks import ensure_pod_disk  # noqa: E402
+from feos.rpc import capnp_thread  # noqa: E402
+from feos.vmm._driver import VmSpec  # noqa: E402
+from feos.vmm._service import MicroVms, guest_root, newest_guest  # noqa: E402
+
+MEMORY_MIB = 512
+TEN = 10
+TARGET_ONE = 1.3
+TARGET_TEN = 1.3
+
+
+# -- the floor: bare microVMs -------------------------------------------------------------------
+
+
+async def bare_boots(root: Path, ids: list[str]) -> float:
+    """Start the microVMs at once; seconds from the start to the last one's answered Ping."""
+    _, gdir = newest_guest(guest_root())
+    async with capnp_thread() as bridge, trio.open_nursery() as nursery:
+        vms = await nursery.start(MicroVms(root / "state", root / "run", bridge).run)
+        for vm_id in ids:
+            disk = await ensure_pod_disk(root / "state", vm_id, gdir)
+            await vms.create(vm_id, VmSpec(memory_mib=MEMORY_MIB, data_disk=str(disk)))
+        started = time.perf_counter()
+
+        async def boot(vm_id: str) -> None:
+            await vms.start(vm_id)
+            await (await vms.guest(vm_id, within=30)).ping()
+
+        async with trio.open_nursery() as boots:
+            for vm_id in ids:
+                boots.start_soon(boot, vm_id)
+        took = time.perf_counter() - started
+        for vm_id in ids:
+            await vms.delete(vm_id)
+            (root / "state" / "disk" / "pods" / f"{vm_id}.img").unlink(missing_ok=True)
+        nursery.cancel_scope.cancel()
+    return took
+
+
+# -- pods --------------------------------------------------------------------------------------
+
+
+async def create_pods(net: PodNet, ids: list[str]) -> tuple[float, list[float], dict[str, float]]:
+    """feosctl pod create --wait for each at once: (seconds to the last exit, the pods' own,
+    the bring-up's steps of the first pod in seconds, from its events)."""
+    feosctl = [str(BIN / "feosctl"), "--socket", str(net.feosd.socket)]
+    watch = await trio.lowlevel.open_process([*feosctl, "--json", "pod", "events", ids[0]],
+                                             stdout=subprocess.PIPE)
+    await trio.sleep(1)  # the watcher subscribed
+    started = time.perf_counter()
+
+    async def create(pod_id: str) -> None:
+        await trio.run_process([*feosctl, "pod", "create", pod_id, "--wait", "--memory",
+                                f"{MEMORY_MIB}MiB", "--image", IMAGE, "--cmd", "sleep", "600"],
+                               capture_stdout=True, capture_stderr=True)  # fmt: skip
+
+    async with trio.open_nursery() as nursery:
+        for pod_id in ids:
+            nursery.start_soon(create, pod_id)
+    took = time.perf_counter() - started
+    steps = await _steps(watch)
+    own = []
+    for pod_id in ids:
+        pod = await trio.to_thread.run_sync(net.ctl_json, "pod", "get", pod_id)
+        assert pod["state"] == "running", pod
+        own.append((pod["changedUnixNs"] - pod["createdUnixNs"]) / 1e9)
+    for pod_id in ids:
+        await trio.to_thread.run_sync(net.ctl, "pod", "delete", pod_id)
+    return took, own, steps
+
+
+async def _steps(watch: trio.Process) -> dict[str, float]:
+    """Seconds from each event of the bring-up to the next: disk, vm, guest, volumes+containers."""
+    watch.kill()
+    assert watch.stdout is not None
+    out = b""
+    async for chunk in watch.stdout:
+        out += chunk
+    await watch.wait()
+    events = [json.loads(line) for line in out.splitlines()]
+    steps: dict[str, float] = {}
+    for this, after in itertools.pairwise(events):
+        name = this.get("step") or this.get("state", "")
+        steps[name] = steps.get(name, 0.0) + (after["timeUnixNs"] - this["timeUnixNs"]) / 1e9
+    return steps
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+async def bench(net: PodNet, root: Path, runs: int, ten_runs: int) -> None:
+    pods, own, bare = [], [], []
+    for i in range(runs):
+        bare.append(await bare_boots(root / "bare", [f"bx{i:09d}"]))
+        took, mine, steps = await create_pods(net, [f"pz{i:09d}"])
+        pods.append(took)
+        own += mine
+        print(f"  round {i + 1}: bare boot to Ping {bare[-1]:.2f} s, pod create to RUNNING "
+              f"{took:.2f} s (feosd's own {mine[0]:.2f} s: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()) + ")", flush=True)
+    ten_bare, ten_pods = [], []
+    for i in range(ten_runs):
+        ten_bare.append(await bare_boots(root / "bare", [f"bt{i}{j:08d}" for j in range(TEN)]))
+        took, ten_own, _ = await create_pods(net, [f"pt{i}{j:08d}" for j in range(TEN)])
+        ten_pods.append(took)
+        print(f"  ten at once, round {i + 1}: bare boots {ten_bare[-1]:.2f} s, pods "
+              f"{took:.2f} s (feosd's own, slowest {max(ten_own):.2f} s)", flush=True)
+    med = statistics.median
+    print(f"guest boot to Ping (bare microVM, MicroVms): median {med(bare):.2f} s, "
+          f"least {min(bare):.2f} s")
+    print(f"pod create to RUNNING (feosctl --wait): median {med(pods):.2f} s, "
+          f"least {min(pods):.2f} s; feosd's own median {med(own):.2f} s")
+    print(f"ten bare boots at once: median {med(ten_bare):.2f} s; "
+          f"ten pods at once: median {med(ten_pods):.2f} s")
+    print(f"(the least of each: one {min(pods) / min(bare):.2f}, "
+          f"ten {min(ten_pods) / min(ten_bare):.2f})")
+    print(f"ratio create to RUNNING / guest boot to Ping: {med(pods) / med(bare):.2f} "
+          f"(target {TARGET_ONE})")
+    print(f"ratio ten pods at once / ten bare boots at once: {med(ten_pods) / med(ten_bare):.2f} "
+          f"(target {TARGET_TEN})")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--ten-runs", type=int, default=2, help="rounds of ten at once (default 2)")
+    args = ap.parse_args()
+    version, _ = newest_guest(guest_root())
+    print(f"guest {version}, QEMU microvm ({os.cpu_count()} cores), 1 vCPU, {MEMORY_MIB} MiB "
+          f"each, median of {args.runs}; image {IMAGE}")
+    with tempfile.TemporaryDirectory(prefix="feos-bench-pods-", dir="/var/tmp") as tmp:
+        root = Path(tmp)
+        with PodNet(root / "net") as net:
+            info = json.loads(net.ctl("--json", "host", "info").stdout)
+            accel = info.get("version", {}).get("accel", "?")
+            print(f"accelerator {accel}", flush=True)
+            trio.run(bench, net, root, args.runs, args.ten_runs)
+    return 0
+
+
+if __name__ == "__main__":
+    if os.geteuid() != 0:
+        sys.exit("bench/pods.py: run it as root (namespaces, QEMU confined as feosd runs it)")
+    sys.exit(main())
