@@ -38,7 +38,9 @@ _ffi: Any = None
 _lib: Any = None
 
 
-def _load() -> bool:
+def load() -> bool:
+    """Make cffi's view of libc, once (a third of a second of CPU: parse the declarations off
+    trio's thread); whether batching works here."""
     global _ffi, _lib
     if _lib is None:
         try:
@@ -57,7 +59,7 @@ def _load() -> bool:
 
 
 def open_batcher(sock: socket.socket, batch: int = 64) -> Batcher | None:
-    if sock.family != socket.AF_INET or sock.type != socket.SOCK_DGRAM or not _load():
+    if sock.family != socket.AF_INET or sock.type != socket.SOCK_DGRAM or not load():
         return None
     return Batcher(sock, batch)
 
@@ -76,7 +78,7 @@ class Batcher:
         self._data = ffi.buffer(rbufs)
         self._out = memoryview(ffi.buffer(sbufs)).cast("B")
         self._addrs = memoryview(ffi.buffer(self._names)).cast("I")  # sin_addr at index 1
-        size = ffi.sizeof("struct mmsghdr")  # 64 on LP64, which _load checked
+        size = ffi.sizeof("struct mmsghdr")  # 64 on LP64, which load() checked
         self._step = size // 8  # mmsghdrs in 8-byte words
         self._len_at = ffi.offsetof("struct mmsghdr", "msg_len") // 4
         self._len_step = size // 4

@@ -23,6 +23,7 @@ from . import _dnsresolver as r
 from ._dnscache import AnswerCache, cache_key
 from ._dnsfast import cached_reply, slow_cached_reply
 from ._dnsmmsg import Batcher, open_batcher
+from ._dnsmmsg import load as load_batching
 from ._dnsupstream import DEFAULT_UPSTREAMS
 from ._listenfds import DnsSockets
 from ._nametable import Address, NameTable
@@ -100,19 +101,20 @@ class DnsServer:
         udp = self._sockets.udp
         tcp = trio.socket.from_stdlib_socket(self._sockets.tcp)
         task_status.started()
+        batching = self._udp_batching and await trio.to_thread.run_sync(load_batching)
         await self._loaded.wait()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._udp_loop, udp, nursery)
+            nursery.start_soon(self._udp_loop, udp, nursery, batching)
             nursery.start_soon(self._tcp_loop, tcp, nursery)
 
     # --- the client side ---------------------------------------------------------------------
 
-    async def _udp_loop(self, sock: socket.socket, nursery: trio.Nursery) -> None:
+    async def _udp_loop(self, sock: socket.socket, nursery: trio.Nursery, batching: bool) -> None:
         # The stdlib socket, non-blocking, read until it is empty (or UDP_BATCH) per wake: trio's
         # socket methods cost a checkpoint per call, which would be most of a cached answer's
         # time. wait_readable is the one checkpoint per batch.
         sock.setblocking(False)
-        batcher = open_batcher(sock, UDP_BATCH) if self._udp_batching else None
+        batcher = open_batcher(sock, UDP_BATCH) if batching else None
         while True:
             await trio.lowlevel.wait_readable(sock)
             if batcher is None:
