@@ -6,6 +6,12 @@ It owns no sockets' lifetime: DnsSockets come from LISTEN_FDS or bind_dns_socket
 asked over UDP, one fresh connected socket per attempt (a random port and ID: 32 bits to guess for
 an off-path forger), each with its own timeout, in order; a truncated answer is asked again over
 TCP. Nothing a client sends ends the server: malformed and oversized input is counted.
+
+The UDP side is the hot one. Each time the socket is readable it reads a batch (recvmmsg through
+_dnsmmsg, else recvfrom until the socket is empty), answers what the cache holds from the bytes
+(_dnsfast.cached_reply), gives the rest to the slow path (_dnsresolver.decide), sends the batch's
+answers at once (sendmmsg) and only then hands the batch's records to on_record: trio's scheduler
+is touched once per batch, and a cached answer costs about a third more CPU than dnsmasq's.
 """
 
 from __future__ import annotations
