@@ -210,7 +210,7 @@ def query_pairs(draw: st.DrawFn) -> tuple[bytes, bytes]:
     return stored, asked
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=800, deadline=None)
 @given(
     query_pairs(),
     st.lists(st.integers(0, 600), min_size=1, max_size=3),
