@@ -29,10 +29,10 @@ from ._codec import snake
 from ._host import HostService, own_binary, replace_binary
 from ._lock import take_lock
 from ._sdnotify import notify
-from .net._stores import NameTableService, SecurityGroupService
 from .errors import FeosError
 from .net import Network, add_network_arguments, network_options_from_args
 from .net._listenfds import DnsSockets, prepare_exec, take_dns_sockets
+from .net._stores import NameTableService, SecurityGroupService
 from .pods._service import PodService
 from .pods._stop import SuspendedForStop
 from .pods._volumes import VolumeService
@@ -85,7 +85,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     cp.add_argument("--control-plane-name")
     cp.add_argument("--trust-domain", default="feos.local")
     cp.add_argument("--join-token-file", type=Path, default=Path("/etc/feos/join-token"))
-    cp.add_argument("--node-dir", type=Path)
+    cp.add_argument("--node-dir", type=Path, help="the node's identity (default <state-dir>/node)")
     cp.add_argument("--mesh-port", type=int, default=51820)
     cp.add_argument("--mesh-address")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -191,16 +191,15 @@ class Daemon:
         from .vmm._jail import installed
         from .vmm._service import guest_root
 
-        root = guest_root()
-        guests = sorted((d.name for d in root.iterdir() if (d / "manifest.json").exists()),
-                        reverse=True) if root.is_dir() else []
         try:
             firecrackers = [i.version for i in reversed(installed())]
         except Exception:  # a broken install is reported as none
             firecrackers = []
         accel = self.vms.accel if self.vms is not None else ""
-        return {"guests": guests, "firecrackers": firecrackers, "driver": "qemu",
-                "accel": accel, "network": self.network_status()}
+        why = "KVM runs guests here" if accel == "kvm" else "KVM cannot run a guest here: TCG"
+        return {"guests": installed_guests(guest_root()), "firecrackers": firecrackers,
+                "driver": "qemu", "accel": f"{accel} ({why})" if accel else "",
+                "network": self.network_status()}
 
     def network_status(self) -> str:
         if self.network is None:
@@ -282,12 +281,16 @@ class Daemon:
             bootstrap = self.bootstrap(bridge)
             servers = [await bridge.call(listen, sock, bootstrap) for sock in self.listeners.values()]
             log.info("serving the API on %s", ", ".join(_where(s) for s in self.listeners.values()))
+            if self.args.control_plane:
+                log.warning("--control-plane %s: the control-plane link is not built yet; "
+                            "the node stays on its own", self.args.control_plane)
             notify("READY=1")
             nursery.start_soon(self.stop_record.resume, self.pods)
             staged = await self._wait_for_end()
             if staged is None and self.args.suspend_on_stop:
                 with trio.move_on_after(max(1.0, self.args.stop_grace - 10)):
                     await self.stop_record.suspend_all(self.pods)
+            self.pods.events.close()  # watchers hear the end of their streams
             for server in servers:
                 server.close()
             nursery.cancel_scope.cancel()
@@ -340,6 +343,20 @@ class Daemon:
         self.volumes.close()
         self.groups.close()
         self.names.close()
+
+
+def installed_guests(root: Path) -> list[str]:
+    """The installed guest versions, newest first (by the manifest's build time)."""
+    import json
+
+    found = []
+    for d in root.iterdir() if root.is_dir() else []:
+        try:
+            manifest = json.loads((d / "manifest.json").read_text())
+        except (OSError, ValueError):
+            continue
+        found.append((str(manifest.get("built", "")), d.name))
+    return [name for _, name in sorted(found, reverse=True)]
 
 
 def _where(sock: socket.socket) -> str:

@@ -9,9 +9,11 @@ import sys
 import time
 from typing import Any
 
+import capnp
+
 from ..errors import Code, FeosError
 from ..pods._spec import new_pod_id
-from ..rpc._client import Client
+from ..rpc._client import Client, raise_for_status
 from ._commands import Table, UsageError, _noun, _verb, load_file, parse_size
 
 POD_COLUMNS = ["ID", "STATE", "STEP/REASON", "VCPUS", "MEMORY", "IPV6", "IPV4", "CONTAINERS"]
@@ -61,7 +63,7 @@ async def wait_settled(client: Client, pod_id: str, quiet: bool) -> dict[str, An
             step = pod.get("step", "") or "pending"
             print(f"\rpod {pod_id}: {step} ({time.monotonic() - started:.0f}s)   ",
                   end="", file=sys.stderr, flush=True)
-        answer = await stream.next(max=64)
+        answer = await pull(stream.next(max=64), "event")
         for event in answer.events:
             pod["state"], pod["step"], pod["reason"] = event.state, event.step, event.reason
         if answer.end:
@@ -71,9 +73,19 @@ async def wait_settled(client: Client, pod_id: str, quiet: bool) -> dict[str, An
     return (await client.call("pods", "getPod", id=pod_id)).pod.to_dict()
 
 
+def id_from_file(args: argparse.Namespace) -> str:
+    """The ID of a spec file of the form {id, spec}, when the command line names none."""
+    if args.id or not args.file:
+        return args.id or ""
+    document = load_file(args.file)
+    if isinstance(document, dict) and isinstance(document.get("id"), str) and "spec" in document:
+        return document["id"]
+    return ""
+
+
 async def pod_create(client: Client, args: argparse.Namespace) -> Table:
     spec = spec_from_args(args)
-    pod_id = args.id or new_pod_id()
+    pod_id = id_from_file(args) or new_pod_id()
     r = await client.call("pods", "createPod", id=pod_id, spec=spec, pullToken=args.pull_token or "")
     pod = r.pod.to_dict()
     if args.wait:
@@ -114,9 +126,17 @@ def _change(method: str):  # type: ignore[no-untyped-def]
     return change
 
 
+async def pull(promise: Any, what: str) -> Any:
+    """A stream's next answer, its status checked: a failed stream ends the command."""
+    try:
+        return raise_for_status(await promise)
+    except capnp.KjException as exc:
+        raise FeosError(Code.UNAVAILABLE, f"the {what} stream broke: {exc.description}") from None
+
+
 async def _pump(stream: Any, out: Any, err: Any) -> int:
     while True:
-        r = await stream.read()
+        r = await pull(stream.read(), "output")
         if r.stdout:
             out.write(bytes(r.stdout))
             out.flush()
@@ -174,7 +194,11 @@ async def pod_exec(client: Client, args: argparse.Namespace) -> None:
                           command=command, env=[{"key": k, "value": v} for k, _, v in
                                                      (e.partition("=") for e in args.env)])
     stream = r.stream
-    feeder = asyncio.ensure_future(_feed_stdin(stream)) if args.stdin else None
+    if args.stdin:
+        feeder: asyncio.Future[None] | None = asyncio.ensure_future(_feed_stdin(stream))
+    else:
+        feeder = None
+        await pull(stream.write(data=b"", close=True), "input")  # the command reads no stdin
     try:
         code = await _pump(stream, sys.stdout.buffer, sys.stderr.buffer)
     finally:
@@ -193,7 +217,7 @@ async def pod_logs(client: Client, args: argparse.Namespace) -> None:
 async def pod_events(client: Client, args: argparse.Namespace) -> None:
     stream = (await client.call("pods", "watchEvents", podId=args.id or "")).stream
     while True:
-        answer = await stream.next(max=256)
+        answer = await pull(stream.next(max=256), "event")
         for event in answer.events:
             e = event.to_dict()
             if args.json:

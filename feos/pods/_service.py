@@ -33,7 +33,7 @@ import trio
 from .. import _schema
 from ..errors import Code, FeosError
 from ..records import RecordDir
-from ..rpc._server import Cap, on_rpc_thread
+from ..rpc._server import Cap
 from ..vmm._driver import VmSpec, VmState
 from . import _lifecycle as lc
 from ._disks import ensure_pod_disk, ensure_volume_disk, remove_pod_disk
@@ -192,7 +192,9 @@ class PodService:
             self._spawn_bring_up(pod)
         elif pod.state == lc.RUNNING:
             if vm is None or vm.state in (VmState.CRASHED, VmState.CREATED):
-                await self._set(pod, lc.FAILED, vm.reason if vm else "its microVM is gone")
+                reason = "its microVM is gone" if vm is None else (
+                    vm.reason or f"its microVM was {vm.state.value}, not running")
+                await self._set(pod, lc.FAILED, reason)
             elif vm.state is VmState.STOPPED:
                 await self._set(pod, lc.STOPPED, vm.reason)
             elif vm.state is VmState.SUSPENDED:
@@ -547,8 +549,7 @@ class PodService:
                  "pid": s.pid, "startedUnixNs": s.started_ns, "finishedUnixNs": s.finished_ns}
                 for s in states]
 
-    @on_rpc_thread
-    def list_pods(self, params: dict[str, Any]) -> dict[str, Any]:
+    async def list_pods(self, params: dict[str, Any]) -> dict[str, Any]:
         return {"pods": [p.record() for p in list(self._pods.values())]}
 
     # -- the API: changes ------------------------------------------------------------------

@@ -221,7 +221,7 @@ def _metadata(text: str) -> str:
     try:
         value = json.loads(text)
     except ValueError as exc:
-        raise invalid("spec.metadata", f"must be a JSON object ({exc})") from None
+        raise invalid("spec.metadataJson", f"must be a JSON object ({exc})") from None
     validate_metadata(value)
     return json.dumps(value, separators=(",", ":"), sort_keys=True)
 
