@@ -267,7 +267,8 @@ class Daemon:
         self.load()
         staged = None
         async with capnp_thread() as bridge, trio.open_nursery() as nursery:
-            self.vms = MicroVms(self.state_dir, self.run_dir, bridge, network=self.guest_network)
+            self.vms = MicroVms(self.state_dir, self.run_dir, bridge, network=self.guest_network,
+                                cgroups=await trio.to_thread.run_sync(vms_cgroups))
             await nursery.start(self.vms.run)
             self.pods = PodService(self.state_dir, self.vms, self.volumes, groups=self.groups,
                                    tables=self.names, bridge=bridge)
@@ -362,6 +363,20 @@ def installed_guests(root: Path) -> list[str]:
 def _where(sock: socket.socket) -> str:
     name = sock.getsockname()
     return name if isinstance(name, str) else f"{name[0]}:{name[1]}"
+
+
+def vms_cgroups() -> Any:
+    """The microVMs' cgroup layout (vms/<id> below feosd's cgroup), prepared; None without one."""
+    from .vmm import _cgroup
+
+    try:
+        layout = _cgroup.detect()
+        _cgroup.prepare(layout)
+    except (OSError, FeosError) as exc:
+        log.warning("the microVMs get no cgroups of their own: %s", exc)
+        return None
+    log.info("the microVMs' cgroups: %s", layout)
+    return layout
 
 
 def set_subreaper() -> None:

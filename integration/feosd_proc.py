@@ -100,3 +100,24 @@ class Feosd:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+def end_microvms(state_dir: Path) -> None:
+    """Kill the microVMs of a test's feosd (they outlive it by design) and remove their cgroups.
+
+    A test that kills feosd or its QEMUs leaves what a delete would have removed: this does it.
+    """
+    for pidfile in state_dir.glob("vms/*/*/qemu.pid"):
+        try:
+            os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
+        except (ValueError, ProcessLookupError, OSError):
+            pass
+    ids = {d.name for d in state_dir.glob("vms/*/*") if d.is_dir()}
+    ids |= {p.stem for p in state_dir.glob("pods/*.pb")}
+    time.sleep(0.2)
+    for cgroup in Path("/sys/fs/cgroup").glob("**/vms/*"):
+        if cgroup.name in ids and cgroup.is_dir():
+            try:
+                cgroup.rmdir()
+            except OSError:
+                pass

@@ -7,14 +7,11 @@ need a registry, and so a network: test_pods_network.py.)
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from feosd_proc import Feosd
+from feosd_proc import Feosd, end_microvms
 
 VOLUME = "3f0c2a51-6b7e-4d1c-9a8f-2e5d4c3b2a10"
 SPEC = {"network": {"none": None}, "memoryMib": 256,
@@ -29,16 +26,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Feosd]:
         yield daemon
     finally:
         daemon.stop(60)
-        _kill_qemus(daemon.state_dir)
-
-
-def _kill_qemus(state_dir: Path) -> None:
-    """The microVMs outlive feosd by design: the test ends them itself."""
-    for pidfile in state_dir.glob("vms/*/*/qemu.pid"):
-        try:
-            os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
-        except (ValueError, ProcessLookupError, OSError):
-            pass
+        end_microvms(daemon.state_dir)
 
 
 def spec_file(node: Feosd, name: str, spec: dict) -> str:  # type: ignore[type-arg]
