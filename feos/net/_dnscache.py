@@ -51,19 +51,19 @@ class Hit:
 
 
 _UPSTREAM_TEXTS_KEPT = 1024
-_upstream_texts: dict[int, tuple[tuple[Address, ...], str]] = {}  # by id, the tuple held
+upstream_texts: dict[int, tuple[tuple[Address, ...], str]] = {}  # by id, the tuple held
 
 
 def upstreams_text(upstreams: tuple[Address, ...]) -> str:
     """The upstreams as one string, for keys: an address's hash is Python code, run on every
     lookup, a string's is computed once. Kept per tuple, which the pods' records share."""
-    known = _upstream_texts.get(id(upstreams))
+    known = upstream_texts.get(id(upstreams))
     if known is not None and known[0] is upstreams:
         return known[1]
     text = " ".join(map(str, upstreams))
-    if len(_upstream_texts) >= _UPSTREAM_TEXTS_KEPT:
-        _upstream_texts.clear()
-    _upstream_texts[id(upstreams)] = (upstreams, text)
+    if len(upstream_texts) >= _UPSTREAM_TEXTS_KEPT:
+        upstream_texts.clear()
+    upstream_texts[id(upstreams)] = (upstreams, text)
     return text
 
 

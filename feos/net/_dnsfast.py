@@ -13,7 +13,15 @@ path gives one: tests/unit/test_dns_fast.py holds both to that for any bytes.
 
 from __future__ import annotations
 
-from ._dnscache import KEY_DO, KEY_EDNS, KEY_FLAGS, AnswerCache, cache_key, make_key
+from ._dnscache import (
+    KEY_DO,
+    KEY_EDNS,
+    KEY_FLAGS,
+    AnswerCache,
+    cache_key,
+    upstream_texts,
+    upstreams_text,
+)
 from ._dnsmsg import MAX_MESSAGE, name_text
 from ._dnsresolver import Forward, PodDns, QueryRecord, Reply, Transport
 from ._nametable import Address
@@ -54,7 +62,12 @@ def cached_reply(
     if scan is None:
         return None
     end, qtype_class, udp_limit, bits, lower, text = scan
-    key = make_key(pod.upstreams or default_upstreams, lower, qtype_class, bits)
+    upstreams = pod.upstreams or default_upstreams
+    known = upstream_texts.get(id(upstreams))  # upstreams_text and make_key inline: hot path
+    text_ups = (
+        known[1] if known is not None and known[0] is upstreams else upstreams_text(upstreams)
+    )
+    key = (text_ups, lower, qtype_class, bits)
     limit = udp_limit if transport == "udp" else MAX_MESSAGE
     found = cache.answer(key, now, limit, data[:2], data[12:end])
     if found is None:
