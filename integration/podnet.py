@@ -23,6 +23,11 @@ internet namespace, and the pods' IPv4 leaves masqueraded to 192.0.2.2. The pod 
 so pods get a route for fc00::/7 rather than a default (the registry is reached over IPv4).
 Nothing leaves the two namespaces: feosd reaches nothing else.
 
+`ip netns exec` gives feosd a mount namespace whose /sys is the node namespace's (its TAPs in
+/sys/class/net), with no cgroup2 mounted: feosd logs that the microVMs get no cgroups of their
+own and runs without. That is deliberate here: on a shared test machine its cgroup setup would
+move every process of the test's cgroup (other engineers' too) into a leaf of its own.
+
 The interface (module-scope it: `with PodNet(tmp_path_factory.mktemp(...), *feosd_args) as net`):
 - `net.ctl(*argv, check=True)`, `net.ctl_json(*argv)`, `net.ctl_popen(*argv)` (a caller that
   may go away), `net.exec(pod, *command, check=True)`: feosctl against the node's socket;
