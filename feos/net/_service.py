@@ -48,6 +48,7 @@ from ._links import (
     prepare_node,
     tap_name,
 )
+from ._dnscache import AnswerCache
 from ._listenfds import DnsSockets, bind_dns_sockets
 from ._metadata_server import MetadataServer
 from ._mmds import validate_metadata
@@ -274,7 +275,8 @@ class Network:
         self._dns = DnsServer(self.dns_sockets, pod_for=self._dns_pods_get,
                               name_tables=lambda: self._tables_view,
                               on_record=self._on_dns_record,
-                              default_upstreams=tuple(self.options.dns_upstreams))
+                              default_upstreams=tuple(self.options.dns_upstreams),
+                              cache=AnswerCache())
 
     def _load_allocators(self, kept: Sequence[PodNet]) -> tuple[Ipv6Allocator, Ipv4Allocator]:
         prefix = self.options.require_network()

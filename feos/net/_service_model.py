@@ -18,6 +18,7 @@ from feos.errors import FeosError
 from feos.pods._network import GuestNetwork, PodNet
 
 from . import _nft as nft
+from ._dnsmsg import type_name  # the one table of type mnemonics
 from ._dnsresolver import PodDns, QueryRecord
 from ._groups import SecurityGroup
 from ._links import tap_name
@@ -166,12 +167,12 @@ def metadata_of(pod: PodNet) -> dict[str, Any]:
     return metadata_object(pod.id, pod.ipv6, pod.ipv4, spec if isinstance(spec, dict) else {})
 
 
+_RCODES = {0: "NOERROR", 1: "FORMERR", 2: "SERVFAIL", 3: "NXDOMAIN", 4: "NOTIMP", 5: "REFUSED"}
+
+
 def dns_record(q: QueryRecord) -> DnsRecord:
     """A resolver's record of an answered query as a traffic record."""
-    from ._dnsmsg import type_name  # the one table of type mnemonics
-
-    rcodes = {0: "NOERROR", 1: "FORMERR", 2: "SERVFAIL", 3: "NXDOMAIN", 4: "NOTIMP", 5: "REFUSED"}
-    return DnsRecord(q.pod or "", q.name, type_name(q.qtype), rcodes.get(q.rcode, str(q.rcode)),
+    return DnsRecord(q.pod or "", q.name, type_name(q.qtype), _RCODES.get(q.rcode, str(q.rcode)),
                         tuple(q.answers), q.time, qtype_number=q.qtype, rcode_number=q.rcode,
                         upstream=q.upstream or "")
 
