@@ -228,6 +228,9 @@ def test_deleting_the_pods_ends_their_flows_in_records(s: Session) -> None:
         and r["flow"]["destination"] == f"{INTERNET_V4}:{INTERNET_PORT}",
         "plain's connection to the internet")["flow"]
     assert out["source"].startswith(f"{s.pods[PLAIN]['ipv4Address']}:")
+    # the pods' queries to the resolver are the DNS records', never flows (their conntrack
+    # entries ended with the pods too)
+    assert not [r for r in s.watch.records if r.get("flow", {}).get("destination") == "169.254.0.53:53"]
     s.net.ctl("pod", "delete", WEB)
     assert s.net.ctl_json("pod", "list") == []
     assert not [name for name in s.net.links() if name.startswith("pod-")]
