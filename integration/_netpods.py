@@ -191,7 +191,7 @@ def in_pod_get(net: PodNet, pod_id: str, address: str, port: int = POD_PORT) -> 
 
 
 def in_pod_connect(net: PodNet, pod_id: str, address: str, port: int = POD_PORT,
-                   wait: int = 2) -> str:
+                   wait: int = 1) -> str:
     """busybox nc's TCP connect from the pod to address:port: "connected", or what nc said
     (such as "nc: timed out" when the SYN was dropped, or a refusal)."""
     done = net.exec(pod_id, "busybox", "nc", "-w", str(wait), address, str(port),

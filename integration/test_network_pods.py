@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -177,10 +177,13 @@ def test_the_resolver_answers_the_pods_name_table(s: Session) -> None:
     assert s.ipv6(WEB) not in nslookup(s, PLAIN, "AAAA", TABLE_NAME)
 
 
-def is_drop(r: dict[str, Any], pod_id: str, reason: str, src: str, dst: str) -> bool:
-    d = r.get("drop")
-    return bool(d) and (d["podId"], d["reason"], d["protocol"], d["destination"]) == \
-        (pod_id, reason, 6, dst) and d["source"].startswith(src)
+def drop_of(pod_id: str, reason: str, src: str, dst: str) -> Callable[[dict[str, Any]], bool]:
+    """A match for a TCP drop record: its pod, reason, source (a prefix) and destination."""
+    def match(r: dict[str, Any]) -> bool:
+        d = r.get("drop") or {}
+        return bool(d) and (d["podId"], d["reason"], d["protocol"], d["destination"]) == \
+            (pod_id, reason, 6, dst) and str(d["source"]).startswith(src)
+    return match
 
 
 def v6(address: str, port: int) -> str:
@@ -200,7 +203,7 @@ def test_traffic_records_name_the_pods(s: Session) -> None:
         (CLIENT, "deny", f"{s.pods[CLIENT]['ipv4Address']}:", f"{DENIED_V4}:{INTERNET_PORT}",
          "the client's attempt to the denied prefix"),
     ):
-        s.watch.wait_for(lambda r, a=(pod_id, reason, src, dst): is_drop(r, *a), what)
+        s.watch.wait_for(drop_of(pod_id, reason, src, dst), what)
     # the client's request to web, its Host read from the first packets
     s.watch.wait_for(lambda r: r.get("serverName") == {
         "podId": CLIENT, "kind": "http", "name": web, "destination": v6(web, POD_PORT)},
