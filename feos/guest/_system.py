@@ -74,7 +74,9 @@ def network_commands(dev: str, ipv6: str, ipv6_ula: bool, ipv4: str, mtu: int) -
     Each command is one step; a failing flush or delete of what is not there is expected
     (check=False), the rest must succeed.
     """
-    cmds = [["ip", "link", "set", "dev", dev, "up"] + (["mtu", str(mtu)] if mtu else [])]
+    # The loopback too: a name table may give a sandbox's own services on 127.0.0.x.
+    cmds = [["ip", "link", "set", "dev", "lo", "up"]]
+    cmds += [["ip", "link", "set", "dev", dev, "up"] + (["mtu", str(mtu)] if mtu else [])]
     cmds += [
         ["-", "ip", "-6", "route", "del", "default", "dev", dev],
         ["-", "ip", "-6", "route", "del", "fc00::/7", "dev", dev],

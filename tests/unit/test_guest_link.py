@@ -173,6 +173,7 @@ def test_network_commands_for_a_ula_route_fc00_not_a_default() -> None:
         "eth0",
         "onlink",
     ] in cmds
+    assert cmds[0] == ["ip", "link", "set", "dev", "lo", "up"]
     glob = _system.network_commands("eth0", "2001:db8::5", False, "", 0)
     assert ["ip", "-6", "route", "replace", "default", "via", "fe80::1", "dev", "eth0"] in glob
     assert not any(c[:2] == ["ip", "-4"] and "add" in c for c in glob)
