@@ -12,7 +12,6 @@ from typing import Any
 import capnp
 
 from ..errors import Code, FeosError
-from ..pods._spec import new_pod_id
 from ..rpc._client import Client, raise_for_status
 from ._commands import Table, UsageError, _noun, _verb, load_file, parse_size
 
@@ -85,6 +84,8 @@ def id_from_file(args: argparse.Namespace) -> str:
 
 async def pod_create(client: Client, args: argparse.Namespace) -> Table:
     spec = spec_from_args(args)
+    from ..pods._spec import new_pod_id  # (not at import: it loads the network's modules)
+
     pod_id = id_from_file(args) or new_pod_id()
     r = await client.call("pods", "createPod", id=pod_id, spec=spec, pullToken=args.pull_token or "")
     pod = r.pod.to_dict()
