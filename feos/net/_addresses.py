@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -28,29 +27,13 @@ from pathlib import Path
 import attrs
 
 from feos.errors import Code, FeosError
+from feos.records import write_whole
 
 IPV6_FILE = "next-ipv6-address"
 IPV4_FILE = "ipv4-addresses"
 
 V4 = ipaddress.IPv4Address
 V6 = ipaddress.IPv6Address
-
-
-def write_whole(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so that a crash leaves the old file or the new, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def _exhausted(what: str) -> FeosError:
