@@ -13,15 +13,20 @@ Options (all for running the agent outside a guest, as the tests do; the guest p
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
-import sys
-import traceback
+from . import _lean
 
-import capnp  # type: ignore[import-untyped]
+with _lean.imports():  # the agent's start under TCG is mostly its imports: see _lean
+    import asyncio
+    import os
+    import signal
+    import sys
+    import time
+    import traceback
 
-from ._agent import Agent, Options
+    import capnp  # type: ignore[import-untyped]
+
+    from . import _proc
+    from ._agent import Agent, Options
 
 
 def parse(argv: list[str]) -> Options:
@@ -48,7 +53,7 @@ def parse(argv: list[str]) -> Options:
 async def _amain(agent: Agent) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # SIGINT: Ctrl-Alt-Del when PID 1
-        loop.add_signal_handler(sig, _on_signal, agent)
+        _proc.on_signal(sig, _on_signal, agent)
     if agent.opts.pid1:
         loop.call_later(1.0, _take_ctrl_alt_del)
     await agent.run()
@@ -68,7 +73,8 @@ def _take_ctrl_alt_del() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse(sys.argv[1:] if argv is None else argv)
-    print(f"feos-guest: starting (pid {os.getpid()})", flush=True)
+    # The clock: CLOCK_MONOTONIC, from the guest's boot (bench/guest_boot.py reads it).
+    print(f"feos-guest: starting (pid {os.getpid()}, at {time.monotonic():.3f} s)", flush=True)
     agent = None
     try:
         agent = Agent(opts)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -135,9 +134,9 @@ class Agent:
         pump = Pump(link)
         while True:
             await link.wait_peer()
-            session = secrets.token_hex(8)
+            session = os.urandom(8).hex()  # not secrets: it imports hashlib (boot time)
             await link.send(guest_hello(self.boot_id, session))
-            log(f"session {session}: hello sent")
+            log(f"session {session}: hello sent (at {time.monotonic():.3f} s)")
             ended = await self._session(pump, session)
             log(f"session {session} ended: {'the node poked' if ended else 'RPC closed'}")
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Callable
+from typing import Any
 
 
 class Child:
@@ -31,6 +33,22 @@ class Child:
                 pass
 
 
+def on_signal(sig: int, callback: Callable[..., object] | None, *args: Any) -> None:
+    """loop.add_signal_handler(sig, callback, *args), or its removal when callback is None.
+
+    Not asyncio's own: its check of the callback imports inspect, a cost at the guest's start
+    (feos.guest._lean). Python runs a signal's handler on the main thread, the loop's: it hands
+    the callback to the loop as asyncio's would. epoll_wait returns on a signal (EINTR) and
+    Python retries it after the handler, by then woken by call_soon_threadsafe.
+    """
+    if callback is None:
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        return
+    loop = asyncio.get_running_loop()
+    signal.signal(sig, lambda _sig, _frame: loop.call_soon_threadsafe(callback, *args))
+    signal.siginterrupt(sig, False)  # SA_RESTART, as asyncio sets it
+
+
 def exit_code(status: int) -> int:
     if os.WIFSIGNALED(status):
         return 128 + os.WTERMSIG(status)
@@ -45,11 +63,11 @@ class Reaper:
 
     def install(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._loop.add_signal_handler(signal.SIGCHLD, self.reap)
+        on_signal(signal.SIGCHLD, self.reap)
 
     def uninstall(self) -> None:
         if self._loop is not None:
-            self._loop.remove_signal_handler(signal.SIGCHLD)
+            on_signal(signal.SIGCHLD, None)
 
     def spawn(
         self,
