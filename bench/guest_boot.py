@@ -13,6 +13,12 @@ falls on all alike:
   - the guest: a normal boot, to the first Ping the agent answers through feos.guest's
     GuestClient over guest.sock (and, on the way, to its hello line).
 The figures are medians; the last line is the ratio of the guest's boot to the interpreter floor.
+
+`--imports` boots feos.floor=script instead, with a program that imports the agent
+(feos.guest.__main__, as the launcher does) under the root's python3 -S -E -X importtime and
+prints the seconds that took: the report is their median and the modules that cost most (median
+self and cumulative microseconds under TCG). `--script FILE` runs a program of your own the same
+way (on drive vol1; sys.path as the launcher's), and prints its output from each round.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -58,10 +65,22 @@ def agent(guest: Guest, work: Path, cmdline: list[str]) -> tuple[float, float]:
     """(seconds to the session's start, seconds to the answered Ping)."""
     with GuestVM.boot(guest, work, cmdline=cmdline, timeout=120, cpu=CPU) as vm:
         try:
-            return asyncio.run(_ping(vm))
+            took = asyncio.run(_ping(vm))
         except BaseException:
             print(vm.console()[-3000:], file=sys.stderr)
             raise
+        print(f"    in the guest (its clock): {_agent_clock(vm.console())}")
+        return took
+
+
+def _agent_clock(console: str) -> str:
+    """The agent's own times: its start (imports done) and its first hello, since the boot."""
+    found = re.search(r"starting \(pid \d+, at ([0-9.]+) s\)", console)
+    hello = re.search(r"hello sent \(at ([0-9.]+) s\)", console)
+    if not (found and hello):
+        return "no times on the console"
+    start, sent = float(found[1]), float(hello[1])
+    return f"agent started {start:.3f} s, hello sent {sent:.3f} s (+{sent - start:.3f})"
 
 
 def hello_only(guest: Guest, work: Path, cmdline: list[str]) -> tuple[float, float]:
@@ -74,16 +93,91 @@ def hello_only(guest: Guest, work: Path, cmdline: list[str]) -> tuple[float, flo
         return t, t
 
 
+IMPORTS = b"""
+import time
+t = time.monotonic()
+import feos.guest.__main__
+print("FEOS-SCRIPT-IMPORTS %.3f" % (time.monotonic() - t), flush=True)
+"""
+Table = dict[str, tuple[int, int]]  # module: (self us, cumulative us), as -X importtime says
+
+
+def script(guest: Guest, work: Path, program: bytes, cmdline: list[str]) -> tuple[str, Table]:
+    """Run a Python program in the guest (feos.floor=script): (its stdout, its import times)."""
+    work.mkdir(parents=True, exist_ok=True)
+    vol = work / "program.img"
+    vol.write_bytes(program + b"\0" * (-len(program) % 512 or 512))
+    with GuestVM.boot(
+        guest, work, floor="script", volumes=[vol], cmdline=cmdline, timeout=120, cpu=CPU
+    ) as vm:
+        vm.wait_console("FEOS-SCRIPT-END", 120)
+        text = vm.console()
+    out, _, err = text.partition("FEOS-SCRIPT-STDERR")
+    out = out.rpartition("FEOS-INIT: data disk")[2].partition("\n")[2]
+    table: Table = {}
+    for line in err.partition("FEOS-SCRIPT-END")[0].splitlines():
+        parts = line.removeprefix("import time:").split("|")
+        if len(parts) == 3 and parts[0].strip().isdigit():
+            table[parts[2].strip()] = (int(parts[0]), int(parts[1]))
+        elif line.strip() and not line.startswith("import time:"):
+            out += line + "\n"  # a traceback, say
+    return out, table
+
+
+def main_script(guest: Guest, program: bytes, runs: int, cmdline: list[str]) -> int:
+    """Each round's output, then the imports that cost most (median of the rounds)."""
+    took: list[float] = []
+    tables: list[Table] = []
+    with tempfile.TemporaryDirectory(prefix="guest-script-") as tmp:
+        for i in range(runs):
+            out, table = script(guest, Path(tmp, f"x{i}"), program, cmdline)
+            Path(tmp, f"x{i}", "data.img").unlink(missing_ok=True)
+            tables.append(table)
+            print(f"  round {i + 1}: {len(table)} modules imported")
+            for line in out.strip().splitlines():
+                print(f"    {line.rstrip()}")
+                if line.startswith("FEOS-SCRIPT-IMPORTS "):
+                    took.append(float(line.split()[1]))
+    med = statistics.median
+    names = set().union(*tables)
+    rows = {n: (med([t.get(n, (0, 0))[0] for t in tables]),
+                med([t.get(n, (0, 0))[1] for t in tables])) for n in names}  # fmt: skip
+    for title, key in (("cumulative", 1), ("self", 0)):
+        print(f"imports by {title} time (median us of {runs} rounds; self, cumulative):")
+        for name, (own, cum) in sorted(rows.items(), key=lambda r: -r[1][key])[:25]:
+            print(f"  {own:9.0f} {cum:9.0f}  {name}")
+    if took:
+        print(f"the agent's imports in the guest (-X importtime on): {med(took):.3f} s, "
+              f"{len(names)} modules")  # fmt: skip
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--cmdline", default="", help="extra kernel command line words")
     ap.add_argument("--cpu", default=None, help="QEMU's -cpu (default: the microVM layer's)")
+    ap.add_argument(
+        "--imports",
+        action="store_true",
+        help="time the agent's imports in the guest instead (feos.floor=script)",
+    )
+    ap.add_argument(
+        "--script",
+        type=Path,
+        default=None,
+        help="run this Python program in the guest instead (feos.floor=script)",
+    )
     args = ap.parse_args()
     global CPU
     CPU = args.cpu
     guest = installed_guest()
     cmdline = args.cmdline.split()
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.imports or args.script:
+        program = args.script.read_bytes() if args.script else IMPORTS
+        print(f"guest {guest.version}: {args.script or 'the agent imports'}, {args.runs} rounds")
+        return main_script(guest, program, args.runs, cmdline)
     try:
         import feos.guest._client  # noqa: F401
 
@@ -109,7 +203,10 @@ def main() -> int:
     print(f"interpreter floor (QEMU start to FEOS-FLOOR-PYTHON): {med(python):.2f} s")
     print(f"guest boot to the agent's session (hello): {med(hello):.2f} s")
     print(f"guest boot to {to}: {med(ping):.2f} s")
-    print(f"ratio guest boot to Ping / interpreter floor: {med(ping) / med(python):.2f} (target 1.3)")
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(
+        f"ratio guest boot to Ping / interpreter floor: {med(ping) / med(python):.2f} (target 1.3)"
+    )
     return 0
 
 

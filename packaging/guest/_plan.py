@@ -209,3 +209,44 @@ def newest_version(manifests: Mapping[str, Mapping[str, object]]) -> str | None:
         if best is None or key > best:
             best = key
     return None if best is None else best[1]
+
+
+KEEP_NEWEST = 3  # versions a prune always keeps, newest first
+KEEP_HOURS = 24.0  # and every version built more recently than this
+
+
+def built_at(manifest: Mapping[str, object]) -> float | None:
+    """The manifest's "built" as seconds since the epoch; None if it has none or a bad one."""
+    import datetime
+
+    try:
+        when = datetime.datetime.fromisoformat(str(manifest["built"]))
+    except (KeyError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    return when.timestamp()
+
+
+def versions_to_prune(
+    manifests: Mapping[str, Mapping[str, object]],
+    in_use: Iterable[str],
+    now: float,
+    keep_newest: int = KEEP_NEWEST,
+    keep_hours: float = KEEP_HOURS,
+) -> list[str]:
+    """The installed versions a prune removes, oldest first.
+
+    Kept: the keep_newest newest by (built, version), every version built less than keep_hours
+    ago (or whose build time is unknown or in the future: nothing says it is old), and every
+    version in use. The rest go.
+    """
+    used = set(in_use)
+    order = sorted(manifests, key=lambda v: (str(manifests[v].get("built", "")), v), reverse=True)
+    out = []
+    for version in order[max(keep_newest, 0) :]:
+        when = built_at(manifests[version])
+        if version in used or when is None or now - when < keep_hours * 3600:
+            continue
+        out.append(version)
+    return out[::-1]

@@ -147,3 +147,55 @@ def test_strip_module_signature_of_any_signed_module(body: bytes, sig: bytes) ->
 def test_strip_module_signature_takes_any_bytes(data: bytes) -> None:
     out = plan.strip_module_signature(data + b"~Module signature appended~\n")
     assert len(out) <= len(data) + 28
+
+
+def _manifests(hours_ago: dict[str, float], now: float) -> dict[str, dict[str, object]]:
+    import datetime
+
+    return {
+        v: {"built": datetime.datetime.fromtimestamp(now - h * 3600, datetime.UTC).isoformat()}
+        for v, h in hours_ago.items()
+    }
+
+
+def test_prune_keeps_the_newest_three_the_young_and_the_used() -> None:
+    now = 1_800_000_000.0
+    hours = {"v1": 100, "v2": 90, "v3": 80, "v4": 30, "v5": 20, "v6": 10, "v7": 5, "v8": 1}
+    m = _manifests(hours, now)
+    # newest three: v8 v7 v6; younger than a day: v5 (20 h); v2 in use
+    assert plan.versions_to_prune(m, {"v2"}, now) == ["v1", "v3", "v4"]
+    assert plan.versions_to_prune(m, set(), now, keep_hours=0) == ["v1", "v2", "v3", "v4", "v5"]
+    assert plan.versions_to_prune(m, set(), now, keep_newest=10, keep_hours=0) == []
+    assert plan.versions_to_prune({}, set(), now) == []
+
+
+def test_prune_keeps_a_version_whose_build_time_is_unknown_or_ahead() -> None:
+    now = 1_800_000_000.0
+    m = _manifests({"a": 50, "b": 40, "c": 30, "d": 20}, now)
+    m["old-no-time"] = {}
+    m["bad-time"] = {"built": "yesterday"}
+    m["ahead"] = _manifests({"x": -5}, now)["x"]
+    # "bad-time" sorts as the newest ("y" > "2"): kept as such, as the unknown and the ahead are
+    assert plan.versions_to_prune(m, set(), now, keep_newest=1, keep_hours=0) == ["a", "b", "c", "d"]
+
+
+@given(
+    st.dictionaries(st.text("0123456789abcdef", min_size=1, max_size=4),
+                    st.floats(-10, 1000), max_size=12),
+    st.sets(st.text("0123456789abcdef", min_size=1, max_size=4), max_size=4),
+    st.integers(0, 5),
+    st.floats(0, 200),
+)  # fmt: skip
+def test_prune_never_removes_a_kept_version(
+    hours: dict[str, float], used: set[str], keep: int, keep_hours: float
+) -> None:
+    now = 1_800_000_000.0
+    m = _manifests(hours, now)
+    gone = plan.versions_to_prune(m, used, now, keep_newest=keep, keep_hours=keep_hours)
+    newest = sorted(m, key=lambda v: (str(m[v]["built"]), v), reverse=True)[:keep]
+    assert len(set(gone)) == len(gone)
+    for v in gone:
+        assert v in m and v not in used and v not in newest
+        assert hours[v] * 3600 >= keep_hours * 3600 - 1e-3  # old enough (ISO rounding aside)
+    young = {v for v, h in hours.items() if h < keep_hours - 0.01}
+    assert not young & set(gone)
