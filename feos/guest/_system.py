@@ -130,33 +130,34 @@ def find_device(mac: str, net: str = "/sys/class/net") -> str:
     raise FeosError(Code.FAILED_PRECONDITION, f"no network device {mac or '(ethernet)'}")
 
 
-def batches(cmds: list[list[str]]) -> list[tuple[bool, list[str]]]:
-    """ip(8) commands grouped into `ip -batch` scripts: (must succeed, lines), in their order.
+def batches(cmds: list[list[str]]) -> list[tuple[bool, list[str], list[str]]]:
+    """ip(8) commands grouped into `ip -batch` scripts: (must succeed, options, lines), in order.
 
-    Under TCG every process costs tens of milliseconds: a run of expected-to-fail steps becomes
-    one `ip -force -batch -`, a run of must-succeed steps one `ip -batch -`.
+    Under TCG every process costs tens of milliseconds: a run of steps of one kind (expected to
+    fail or not) and one family (-4, -6: a batch line cannot carry it) becomes one process.
     """
-    out: list[tuple[bool, list[str]]] = []
+    out: list[tuple[bool, list[str], list[str]]] = []
     for cmd in cmds:
         must = cmd[0] != "-"
         argv = cmd if must else cmd[1:]
         if argv[0] != "ip":
             raise ValueError(f"not an ip(8) command: {argv}")
-        line = " ".join(argv[1:])
-        if out and out[-1][0] == must:
-            out[-1][1].append(line)
+        options = [a for a in argv[1:2] if a in ("-4", "-6")]
+        line = " ".join(argv[1 + len(options):])
+        if out and out[-1][0] == must and out[-1][1] == options:
+            out[-1][2].append(line)
         else:
-            out.append((must, [line]))
+            out.append((must, options, [line]))
     return out
 
 
 async def run_steps(reaper: _proc.Reaper, cmds: list[list[str]]) -> None:
-    for must, lines in batches(cmds):
+    for must, options, lines in batches(cmds):
         script = ("\n".join(lines) + "\n").encode()
         if not must:
-            await _proc.run(reaper, ["ip", "-force", "-batch", "-"], input=script)
+            await _proc.run(reaper, ["ip", *options, "-force", "-batch", "-"], input=script)
             continue
-        code, _out, err = await _proc.run(reaper, ["ip", "-batch", "-"], input=script)
+        code, _out, err = await _proc.run(reaper, ["ip", *options, "-batch", "-"], input=script)
         if code != 0:
             raise FeosError(Code.INTERNAL, f"ip: {err.strip() or f'exit {code}'}")
 

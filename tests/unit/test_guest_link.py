@@ -174,6 +174,12 @@ def test_network_commands_for_a_ula_route_fc00_not_a_default() -> None:
         "onlink",
     ] in cmds
     assert cmds[0] == ["ip", "link", "set", "dev", "lo", "up"]
+    # One process a run of steps: must-succeed, may-fail, must-succeed.
+    groups = _system.batches(cmds)
+    assert [(must, opts) for must, opts, _ in groups] == [
+        (True, []), (False, ["-6"]), (False, ["-4"]), (True, ["-6"]), (True, ["-4"])]
+    assert groups[0][2] == ["link set dev lo up", "link set dev eth0 up mtu 1420"]
+    assert "addr add fd00::5/128 dev eth0 nodad" in groups[3][2]
     glob = _system.network_commands("eth0", "2001:db8::5", False, "", 0)
     assert ["ip", "-6", "route", "replace", "default", "via", "fe80::1", "dev", "eth0"] in glob
     assert not any(c[:2] == ["ip", "-4"] and "add" in c for c in glob)
