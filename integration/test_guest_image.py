@@ -109,9 +109,7 @@ def test_python_floor_mounted_the_data_disk(python_floor: GuestVM) -> None:
     assert "FEOS-INIT: data disk /dev/vdb at /data" in python_floor.console()
 
 
-def test_boot_starts_the_agent_or_says_it_has_none(
-    guest: Guest, tmp_path: Path
-) -> None:
+def test_boot_starts_the_agent_or_says_it_has_none(guest: Guest, tmp_path: Path) -> None:
     with GuestVM.boot(guest, tmp_path, timeout=120) as vm:
         if not _has_agent(guest):
             # feos/guest/ had no __main__.py when this version was built: /init says so and
@@ -126,6 +124,45 @@ def test_boot_starts_the_agent_or_says_it_has_none(
         words = hello.split()
         assert words[:2] == [b"FEOS-GUEST", b"1"], hello
         assert len(words) == 4, hello
+
+
+LEAN_PROBE = b"""
+import sys
+import feos.guest.__main__  # as the launcher imports it
+from feos.guest import _lean
+print("PROBE ssl", "ssl" in sys.modules)
+print("PROBE pending", ",".join(sorted(_lean.pending())))
+import http.client
+print("PROBE https", hasattr(http.client, "HTTPSConnection"))
+"""
+
+
+def test_script_floor_runs_a_program_and_the_agent_starts_lean_in_the_guest(
+    guest: Guest, tmp_path: Path
+) -> None:
+    """The guest's own python3 (Debian's 3.11.2) imports the agent without ssl, its lazy
+    modules waiting, and https still there after (bench/guest_boot.py --imports uses this floor).
+    """
+    program = tmp_path / "program.img"
+    program.write_bytes(LEAN_PROBE + b"\0" * (-len(LEAN_PROBE) % 512))
+    with GuestVM.boot(guest, tmp_path, floor="script", volumes=[program], timeout=120) as vm:
+        vm.wait_console("FEOS-SCRIPT-END", 110)
+        console = vm.console()
+        assert vm.wait_exit(30) == 0
+    if "FEOS-SCRIPT-STDERR" not in console:
+        pytest.fail(f"no script floor in this image: {console[-2000:]}")
+    lines = dict(
+        line.removeprefix("PROBE ").split(" ", 1)
+        for line in console.splitlines()
+        if line.startswith("PROBE ")
+    )
+    if "feos/guest/_lean.py" not in guest.manifest["inputs"]["agent"]:  # type: ignore[index,operator]
+        pytest.fail("this image's agent has no _lean.py: built from an older tree")
+    from feos.guest import _lean
+
+    assert lines == {"ssl": "False", "pending": ",".join(sorted(_lean.LAZY)), "https": "True"}
+    stderr = console.partition("FEOS-SCRIPT-STDERR")[2]
+    assert "import time:" in stderr and "asyncio.base_events" in stderr
 
 
 def test_sandboxed_qemu_as_another_user_boots(guest: Guest, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ Everything but the Debian and PyPI registries is offline. Standard library only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import fcntl
 import hashlib
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -360,12 +362,102 @@ def install(stage: Path, dest: Path) -> None:
     tmp.rename(dest)
 
 
+STATE_DIRS = (Path("/var/lib/feos"),)  # feosd's default; --state-dir adds others
+VERSION_FILES = ("vmlinux", "initramfs", "root.erofs")  # what a microVM's directory links
+
+
+def installed(versions: Path) -> dict[str, dict[str, object]]:
+    """The manifests of the versions installed in versions (half-made ones have none)."""
+    out: dict[str, dict[str, object]] = {}
+    for d in sorted(versions.iterdir()) if versions.is_dir() else []:
+        if d.name.startswith(".") or not d.is_dir():
+            continue
+        try:
+            out[d.name] = json.loads((d / "manifest.json").read_text())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def versions_in_use(versions: Path, names: list[str], state_dirs: list[Path]) -> set[str]:
+    """The versions some microVM uses, by three signs, any of which keeps a version:
+
+    - a file of it has another hard link: a microVM's directory, under any state dir on the
+      same filesystem, links it so (feos.vmm's QEMU and Firecracker drivers);
+    - a process has a file of it open: a running QEMU or Firecracker, whoever started it (the
+      tests' and the benchmark's VMs are no feosd's and link nothing);
+    - a symlink under <state dir>/vms/*/*/ points into it: how a microVM links it across
+      filesystems (a tmpfs /var/lib/feos), for the state dirs this build knows of.
+    """
+    dirs = {name: (versions / name).resolve() for name in names}
+    used = set()
+    for name, d in dirs.items():
+        for f in VERSION_FILES:
+            try:
+                if (d / f).stat().st_nlink > 1:
+                    used.add(name)
+            except OSError:
+                pass
+    for target in _open_files() + _state_links(state_dirs):
+        for name, d in dirs.items():
+            if target.parent == d:
+                used.add(name)
+    return used
+
+
+def _open_files() -> list[Path]:
+    out = []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            fds = list(fd_dir.iterdir())
+        except OSError:  # gone, or not ours to read
+            continue
+        for fd in fds:
+            try:
+                out.append(Path(os.readlink(fd)))
+            except OSError:
+                pass
+    return out
+
+
+def _state_links(state_dirs: list[Path]) -> list[Path]:
+    out = []
+    for state in state_dirs:
+        for link in state.glob("vms/*/*/*"):
+            if link.is_symlink():
+                out.append(link.resolve())
+    return out
+
+
+def prune(versions: Path, keep_hours: float, state_dirs: list[Path]) -> list[str]:
+    """Remove the versions _plan.versions_to_prune picks; the names of those removed."""
+    manifests = installed(versions)
+    in_use = versions_in_use(versions, list(manifests), state_dirs)
+    gone = _plan.versions_to_prune(manifests, in_use, time.time(), keep_hours=keep_hours)
+    for name in gone:
+        # Out of the way first (a rename), so that no reader sees a half-removed version.
+        doomed = versions / f".{name}.pruned-{os.getpid()}"
+        (versions / name).rename(doomed)
+        shutil.rmtree(doomed)
+        log(f"pruned version {name} (built {manifests[name].get('built')}, not in use)")
+    return gone
+
+
 def guest_dir(prefix: Path | None) -> Path:
     """Where versions go: PREFIX/usr/lib/feos/guest; without --prefix, $FEOS_GUEST_DIR (which
     feosd and the tests read) or /usr/lib/feos/guest."""
     if prefix is None and (env := os.environ.get("FEOS_GUEST_DIR")):
         return Path(env)
     return (prefix or Path("/")) / "usr/lib/feos/guest"
+
+
+@contextlib.contextmanager
+def _build_lock(work: Path) -> Iterator[None]:
+    """One build or prune at a time in a work dir: the test suites of several engineers share it."""
+    work.mkdir(parents=True, exist_ok=True)
+    with (work / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -375,7 +467,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/var/cache/feos-guest-build"))
     ap.add_argument("--repo", type=Path, default=HERE.parent.parent)
     ap.add_argument("--force", action="store_true", help="build even if the version is installed")
+    ap.add_argument("--keep-all", action="store_true",
+                    help="remove no old version after installing one (see README: pruning)")
+    ap.add_argument("--keep-hours", type=float, default=_plan.KEEP_HOURS,
+                    help="keep every version built less than this long ago (default 24)")
+    ap.add_argument("--state-dir", type=Path, action="append", default=[],
+                    help="a feosd state dir whose microVMs may link versions by symlink "
+                         "(besides /var/lib/feos); repeatable")  # fmt: skip
+    ap.add_argument("--prune-only", action="store_true", help="build nothing: only prune")
     args = ap.parse_args(argv)
+    if args.prune_only:
+        with _build_lock(args.work):
+            prune(guest_dir(args.prefix), args.keep_hours, [*STATE_DIRS, *args.state_dir])
+        return 0
     repo = args.repo.resolve()
     inputs = gather_inputs(repo)
     version = _plan.input_version(inputs)
@@ -384,10 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"version {version} is installed")
         print(dest)
         return 0
-    args.work.mkdir(parents=True, exist_ok=True)
-    with (args.work / ".lock").open("w") as lock:
-        # One build at a time in a work dir: the test suites of several engineers share it.
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _build_lock(args.work):
         if (dest / "manifest.json").exists() and not args.force:
             log(f"version {version} was installed while this waited")
         else:
@@ -396,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
             dest.parent.mkdir(parents=True, exist_ok=True)
             install(stage, dest)
             shutil.rmtree(stage)
+            if not args.keep_all:
+                prune(dest.parent, args.keep_hours, [*STATE_DIRS, *args.state_dir])
     print(dest)
     return 0
 
