@@ -8,6 +8,8 @@ wraps them (feos.guest.__main__ only: the node's side and the tests import as us
   works again, so the registry client's http.client (imported on the first pull) has HTTPS;
 - modules the agent's start never uses, imported at the top of modules it needs, load lazily
   (a _Lazy module, below): on the first use of any of their attributes;
+- extension modules (pycapnp's 3 MB of C++) are loaded with RTLD_LAZY: their calls into other
+  libraries are bound on first use, not all 2,600 at once as Python's RTLD_NOW does;
 - the cyclic garbage collector waits: imports make no garbage cycles worth a pass, and the
   objects they leave are frozen (gc.freeze) so that later passes skip them.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import _thread
 import gc
+import os
 import sys
 import types
 from collections.abc import Iterator
@@ -37,6 +40,10 @@ LAZY = (
     "tokenize",  # linecache (traceback's): source lines of a traceback
     "textwrap",  # traceback: notes of an exception
     "inspect",  # asyncio, capnp: iscoroutinefunction, in run_in_executor (not add_signal_handler)
+    "linecache",  # traceback (which _asyncio needs at once): source lines
+    "locale",  # subprocess: text mode's encoding
+    "random",  # capnp: nothing at its start
+    "base64",  # capnp: to_dict and from_dict of Data
 )
 BLOCKED = ("ssl",)
 
@@ -65,8 +72,10 @@ class _Lazy(types.ModuleType):
 
 @contextmanager
 def imports() -> Iterator[None]:
-    """Within: ssl blocked, the LAZY modules lazy, no garbage collection."""
+    """Within: ssl blocked, the LAZY modules lazy, lazy binding, no garbage collection."""
     gc.disable()
+    flags = sys.getdlopenflags()
+    sys.setdlopenflags(os.RTLD_LAZY)
     blocked = [name for name in BLOCKED if name not in sys.modules]
     for name in blocked:
         sys.modules[name] = None  # type: ignore[assignment]  # import raises ImportError
@@ -78,6 +87,7 @@ def imports() -> Iterator[None]:
         for name in blocked:
             if sys.modules.get(name, 0) is None:
                 del sys.modules[name]
+        sys.setdlopenflags(flags)
         gc.freeze()
         gc.enable()
 
