@@ -66,7 +66,7 @@ class _Lazy(types.ModuleType):
                     raise
                 finally:
                     state["running"] = False
-                self.__class__ = types.ModuleType
+                self.__class__ = types.ModuleType  # type: ignore[assignment]
         return object.__getattribute__(self, attr)
 
 
