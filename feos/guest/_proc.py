@@ -7,6 +7,7 @@ anything but the Reaper, which is why nothing here uses subprocess.Popen.
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # signal's C half, as signal.py uses it
 import asyncio
 import os
 import signal
@@ -41,11 +42,16 @@ def on_signal(sig: int, callback: Callable[..., object] | None, *args: Any) -> N
     the callback to the loop as asyncio's would. epoll_wait returns on a signal (EINTR) and
     Python retries it after the handler, by then woken by call_soon_threadsafe.
     """
+    # _signal.signal, not signal.signal: that one turns the previous handler into an enum, and
+    # when it is none (asyncio.run's SIGINT handler) the failed lookup reprs it, with the main
+    # task and its callbacks: that repr imports inspect (80 ms at the guest's start).
     if callback is None:
-        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        _signal.signal(
+            sig, _signal.default_int_handler if sig == signal.SIGINT else _signal.SIG_DFL
+        )
         return
     loop = asyncio.get_running_loop()
-    signal.signal(sig, lambda _sig, _frame: loop.call_soon_threadsafe(callback, *args))
+    _signal.signal(sig, lambda _sig, _frame: loop.call_soon_threadsafe(callback, *args))
     signal.siginterrupt(sig, False)  # SA_RESTART, as asyncio sets it
 
 
