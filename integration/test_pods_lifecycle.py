@@ -35,19 +35,6 @@ def spec_file(node: Feosd, name: str, spec: dict) -> str:  # type: ignore[type-a
     return str(path)
 
 
-def wait_state(node: Feosd, pod_id: str, want: str, timeout: float = 120) -> dict:  # type: ignore[type-arg]
-    deadline = time.monotonic() + timeout
-    pod: dict = {}  # type: ignore[type-arg]
-    while time.monotonic() < deadline:
-        pod = node.ctl_json("pod", "get", pod_id)
-        if pod["state"] == want:
-            return pod
-        if pod["state"] == "failed" and want != "failed":
-            raise AssertionError(f"pod {pod_id} failed: {pod.get('reason')}")
-        time.sleep(0.3)
-    raise AssertionError(f"pod {pod_id} is {pod.get('state')}, not {want}, after {timeout}s")
-
-
 def test_create_runs_the_pod_and_mounts_its_volume(node: Feosd) -> None:
     node.ctl("volume", "create", VOLUME, "--size", "256MiB")
     created = node.ctl_json("pod", "create", "pa00000001a", "-f", spec_file(node, "a", SPEC),
