@@ -1,23 +1,29 @@
 """A small OCI distribution (v2) client on http.client: manifests, indexes, blobs, Bearer tokens.
 
 Blocking: the image store runs it on a worker thread. A registry named by an IP address or
-`localhost` is spoken to over plain HTTP, any other over HTTPS (docs/guest.md).
+`localhost` is spoken to over plain HTTP, any other over HTTPS (docs/guest.md). Plain HTTP goes
+through feos.guest._http, not http.client: http.client's import costs a quarter of a second of
+the guest's vCPU under TCG, on every pod's first pull; HTTPS imports http.client (and ssl) when
+it is first needed.
 """
 
 from __future__ import annotations
 
-import hashlib
-import http.client
 import json
 import os
 import socket
-import urllib.parse
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
 from feos.errors import Code, FeosError
 
+from . import _http
+from ._images import sha256
 from ._token import PullToken
 from ._validate import Reference
+
+if TYPE_CHECKING:
+    import urllib.parse  # at run time only for a redirect or a token's realm: 33 ms under TCG
 
 INDEX_TYPES = (
     "application/vnd.oci.image.index.v1+json",
@@ -80,7 +86,7 @@ class Client:
         """Downloads a blob into dest (via dest.part), checking its digest."""
         resp, conn = self._get(f"/v2/{self.ref.repository}/blobs/{digest}", "*/*")
         try:
-            h = hashlib.sha256()
+            h = sha256()
             with open(dest + ".part", "wb") as f:
                 while chunk := resp.read(1 << 20):
                     h.update(chunk)
@@ -103,7 +109,7 @@ class Client:
             conn.close()
         if len(body) > MAX_MANIFEST:
             raise FeosError(Code.RESOURCE_EXHAUSTED, f"{self.ref.key}: manifest over 4 MiB")
-        digest = "sha256:" + hashlib.sha256(body).hexdigest()
+        digest = "sha256:" + sha256(body).hexdigest()
         if tag_or_digest.startswith("sha256:") and digest != tag_or_digest:
             raise FeosError(
                 Code.DATA_LOSS, f"{self.ref.key}: manifest {tag_or_digest} has another digest"
@@ -118,9 +124,7 @@ class Client:
             raise FeosError(Code.FAILED_PRECONDITION, f"{self.ref.key}: manifest is not an object")
         return digest, doc
 
-    def _get(
-        self, path: str, accept: str
-    ) -> tuple[http.client.HTTPResponse, http.client.HTTPConnection]:
+    def _get(self, path: str, accept: str) -> tuple[Any, Any]:
         resp, conn = self._request(self.host, path, accept, self._auth())
         if resp.status == 401 and self.token is None and self._anonymous is None:
             challenge = resp.getheader("WWW-Authenticate") or ""
@@ -133,6 +137,8 @@ class Client:
         for _ in range(5):  # blobs redirect to storage elsewhere, which gets no token
             if resp.status not in (301, 302, 303, 307, 308):
                 break
+            import urllib.parse
+
             target = urllib.parse.urlsplit(resp.getheader("Location") or "")
             conn.close()
             resp, conn = self._request_url(target, accept)
@@ -148,7 +154,7 @@ class Client:
 
     def _request(
         self, host: str, path: str, accept: str, auth: str | None, scheme: str = ""
-    ) -> tuple[http.client.HTTPResponse, http.client.HTTPConnection]:
+    ) -> tuple[Any, Any]:
         scheme = scheme or ("http" if plain_http(host) else "https")
         conn = self._connection(scheme, host)
         headers = {"Accept": accept, "User-Agent": "feos-guest"}
@@ -157,13 +163,11 @@ class Client:
         try:
             conn.request("GET", path, headers=headers)
             return conn.getresponse(), conn
-        except (OSError, http.client.HTTPException) as e:
+        except (OSError, *_http_errors()) as e:  # type: ignore[misc]
             conn.close()
             raise FeosError(Code.UNAVAILABLE, f"registry {host}: {type(e).__name__}: {e}") from None
 
-    def _request_url(
-        self, url: urllib.parse.SplitResult, accept: str
-    ) -> tuple[http.client.HTTPResponse, http.client.HTTPConnection]:
+    def _request_url(self, url: urllib.parse.SplitResult, accept: str) -> tuple[Any, Any]:
         if url.scheme not in ("http", "https") or not url.netloc:
             raise FeosError(
                 Code.UNAVAILABLE, f"registry {self.host}: a redirect to {url.geturl()!r}"
@@ -173,16 +177,17 @@ class Client:
         return self._request(url.netloc, path, accept, self._auth() if same else None, url.scheme)
 
     @staticmethod
-    def _connection(scheme: str, host: str) -> http.client.HTTPConnection:
+    def _connection(scheme: str, host: str) -> Any:
         if scheme == "http":
-            return http.client.HTTPConnection(host, timeout=TIMEOUT)
-        import ssl  # only for registries over HTTPS
+            return _http.Connection(host, timeout=TIMEOUT)
+        import http.client  # only for registries over HTTPS
+        import ssl
 
         return http.client.HTTPSConnection(
             host, timeout=TIMEOUT, context=ssl.create_default_context()
         )
 
-    def _refusal(self, resp: http.client.HTTPResponse) -> FeosError:
+    def _refusal(self, resp: Any) -> FeosError:
         """The registry's answer, named: its status, its challenge and the start of its body."""
         body = resp.read(512).decode("utf-8", "replace").strip()
         challenge = resp.getheader("WWW-Authenticate")
@@ -202,6 +207,8 @@ class Client:
         fields = dict(_challenge_fields(params))
         if scheme.lower() != "bearer" or "realm" not in fields:
             return ""
+        import urllib.parse
+
         realm = urllib.parse.urlsplit(fields["realm"])
         asked: dict[str, str] = {k: fields[k] for k in ("service", "scope") if k in fields}
         asked.setdefault("scope", f"repository:{self.ref.repository}:pull")
@@ -220,6 +227,12 @@ class Client:
         finally:
             conn.close()
         return str(doc.get("token") or doc.get("access_token") or "")
+
+
+def _http_errors() -> tuple[type[Exception], ...]:
+    """http.client's errors once it is loaded (an HTTPS pull); plain HTTP's are OSErrors."""
+    loaded = sys.modules.get("http.client")
+    return (loaded.HTTPException,) if loaded is not None else ()
 
 
 def _challenge_fields(params: str) -> list[tuple[str, str]]:

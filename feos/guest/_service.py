@@ -25,9 +25,16 @@ def log(message: str) -> None:
     print(f"feos-guest: {message}", flush=True)
 
 
+SLOW_CALL_S = 0.05  # a call that took longer is named on the console, with its time
+
+
 async def guarded(name: str, context: Any, body: Callable[[Any, Any], Awaitable[None]]) -> None:
+    started = time.monotonic()
     try:
         await body(context.params, context.results)
+        took = time.monotonic() - started
+        if took >= SLOW_CALL_S:
+            log(f"{name} took {took:.3f} s (done at {time.monotonic():.3f} s)")
     except FeosError as e:
         fill_status(context.results.status, e)
     except UnicodeDecodeError as e:
