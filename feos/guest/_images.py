@@ -42,12 +42,16 @@ def sha256(data: bytes = b"") -> Any:
     return make(data)
 
 
-def write_whole(path: str, data: bytes) -> None:
+def write_whole(path: str, data: bytes, *, sync: bool = True) -> None:
+    """The file replaced whole: its old content or the new one, never a part. Without sync a
+    crash of the guest may keep the old one (ext4 writes a file renamed over another before the
+    rename, auto_da_alloc), for a record whose change a crash undoes anyway."""
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
