@@ -13,6 +13,9 @@ falls on all alike:
   - the guest: a normal boot, to the first Ping the agent answers through feos.guest's
     GuestClient over guest.sock (and, on the way, to its hello line).
 The figures are medians; the last line is the ratio of the guest's boot to the interpreter floor.
+`--guest VERSION` (repeatable) picks installed versions instead of the newest: with two or more,
+each round boots the agent of every one of them after the floors (those of the first), so that
+two builds of the agent are compared under the same load; the last line is the first's ratio.
 
 `--imports` boots feos.floor=script instead, with a program that imports the agent
 (feos.guest.__main__, as the launcher does) under the root's python3 -S -E -X importtime and
@@ -157,6 +160,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--cmdline", default="", help="extra kernel command line words")
     ap.add_argument("--cpu", default=None, help="QEMU's -cpu (default: the microVM layer's)")
+    ap.add_argument("--guest", action="append", default=[], metavar="VERSION",
+                    help="an installed guest version (repeat to interleave the agents of several)")
     ap.add_argument(
         "--imports",
         action="store_true",
@@ -171,7 +176,8 @@ def main() -> int:
     args = ap.parse_args()
     global CPU
     CPU = args.cpu
-    guest = installed_guest()
+    guests = [installed_guest(v) for v in args.guest] or [installed_guest()]
+    guest = guests[0]
     cmdline = args.cmdline.split()
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.imports or args.script:
@@ -186,27 +192,35 @@ def main() -> int:
         boot, to = hello_only, "the hello line (no node-side client in feos/guest/ yet)"
     print(f"guest {guest.version} ({guest.manifest['kernel']}), QEMU microvm TCG, 1 vCPU, "
           f"512 MiB, -cpu {CPU or 'default'}, {args.runs} rounds, extra cmdline {cmdline or 'none'}")  # fmt: skip
-    shell, python, hello, ping = [], [], [], []
+    shell: list[float] = []
+    python: list[float] = []
+    hello: dict[str, list[float]] = {g.version: [] for g in guests}
+    ping: dict[str, list[float]] = {g.version: [] for g in guests}
     with tempfile.TemporaryDirectory(prefix="guest-boot-") as tmp:
         for i in range(args.runs):
             shell.append(floor(guest, Path(tmp, f"s{i}"), "shell", cmdline))
             python.append(floor(guest, Path(tmp, f"p{i}"), "python", cmdline))
-            h, p = boot(guest, Path(tmp, f"a{i}"), cmdline)
-            hello.append(h)
-            ping.append(p)
-            for d in ("s", "p", "a"):
-                Path(tmp, f"{d}{i}", "data.img").unlink(missing_ok=True)
-            print(f"  round {i + 1}: shell {shell[-1]:.2f} s, python {python[-1]:.2f} s, "
-                  f"hello {h:.2f} s, ping {p:.2f} s", flush=True)  # fmt: skip
+            line = f"  round {i + 1}: shell {shell[-1]:.2f} s, python {python[-1]:.2f} s"
+            for g in guests:
+                h, p = boot(g, Path(tmp, f"a{i}-{g.version}"), cmdline)
+                hello[g.version].append(h)
+                ping[g.version].append(p)
+                line += f", {g.version if len(guests) > 1 else ''} hello {h:.2f} s, ping {p:.2f} s"
+            for d in Path(tmp).iterdir():
+                (d / "data.img").unlink(missing_ok=True)
+            print(line.replace(",  hello", ", hello"), flush=True)
     med = statistics.median
     print(f"kernel floor (QEMU start to FEOS-FLOOR-SHELL): {med(shell):.2f} s")
     print(f"interpreter floor (QEMU start to FEOS-FLOOR-PYTHON): {med(python):.2f} s")
-    print(f"guest boot to the agent's session (hello): {med(hello):.2f} s")
-    print(f"guest boot to {to}: {med(ping):.2f} s")
+    for g in reversed(guests):  # the first's figures last, next to its ratio
+        of = f" ({g.version})" if len(guests) > 1 else ""
+        print(f"guest boot to the agent's session (hello){of}: {med(hello[g.version]):.2f} s")
+        print(f"guest boot to {to}{of}: {med(ping[g.version]):.2f} s")
+        if g is not guest:
+            print(f"  ratio{of}: {med(ping[g.version]) / med(python):.2f}")
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(
-        f"ratio guest boot to Ping / interpreter floor: {med(ping) / med(python):.2f} (target 1.3)"
-    )
+    ratio = med(ping[guest.version]) / med(python)
+    print(f"ratio guest boot to Ping / interpreter floor: {ratio:.2f} (target 1.3)")
     return 0
 
 

@@ -107,7 +107,30 @@ def gather_inputs(repo: Path) -> dict[str, object]:
         "pycapnp": _plan.PYCAPNP,
         "scripts": {p.name: sha256_file(p) for p in scripts if p.suffix != ".md"},
         "agent": {dst: sha256_file(src) for dst, src in agent_sources(repo)},
+        "capnp": capnp_version(),
     }
+
+
+# The schemas the agent loads compiled (feos/guest/_schema.load): the C++ parser's work is done
+# here, not in the guest's start under TCG.
+COMPILED = ("guest.capnp",)
+
+
+def capnp_version() -> str:
+    """The capnp compiler's version (Debian's capnproto): its output is an input of the image."""
+    if shutil.which("capnp") is None:
+        sys.exit("guest-image: no capnp compiler: apt-get install capnproto (hack/packages.apt)")
+    return run("capnp", "--version", capture=True).strip()
+
+
+def compile_schemas(repo: Path, dest: Path) -> None:
+    """compiled/: each COMPILED schema's CodeGeneratorRequest, and request.capnp to read it."""
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(HERE / "request.capnp", dest / "request.capnp")
+    for name in COMPILED:
+        request = subprocess.run(["capnp", "compile", "-I.", "-o-", name], cwd=repo / "schema",
+                                 check=True, stdout=subprocess.PIPE).stdout  # fmt: skip
+        (dest / f"{name}.bin").write_bytes(request)
 
 
 def download_deb(cache: Path, pkg: str, version: str) -> Path:
@@ -235,6 +258,7 @@ def stage_root(base: Path, repo: Path, root: Path) -> None:
         (lib / dst).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, lib / dst)
     shutil.copy2(HERE / "feos-guest", lib / "feos-guest")
+    compile_schemas(repo, lib / "compiled")
     log("compileall (agent)")
     compileall(root, "/usr/lib/feos-guest/feos")
 
