@@ -12,8 +12,11 @@ every call fails with UNAVAILABLE and the caller connects anew.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import secrets
 import socket
+import struct
+import termios
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -22,12 +25,113 @@ import capnp  # type: ignore[import-untyped]
 
 from feos.errors import Code, FeosError
 
-from ._hello import GUEST_HELLO, Hello, node_poke
-from ._link import Link, Pump
+from ._hello import GUEST_HELLO, Frames, Hello, node_poke
+from ._link import CHUNK, Link, Pump
 from ._schema import guest, raise_status
 
 CONNECT_DEADLINE = 5.0
 POKE_AFTER = 1.0
+PARK_POLL_S = 0.002
+
+
+def _unread(sock: socket.socket) -> int:
+    """Bytes this end sent that the peer (QEMU) has not read yet (SIOCOUTQ)."""
+    out = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    return int(struct.unpack("i", out)[0])
+
+
+class SwapLink(Link):
+    """The node's end of the link: it sends whole messages only, and can hold a session
+    across the VMM's restart (a suspend, then a resume).
+
+    `park` stops sending at a message boundary and waits until QEMU has read every byte sent
+    (which QEMU reads only into the guest's buffers: then it is in the guest's memory, and in
+    the snapshot). While parked, the end of the old connection (QEMU quit) is not the end of
+    the stream: reads wait for `rebind` with the resumed VMM's connection, and go on there once
+    the old one is read to its end, so the guest's bytes arrive in order. `unpark` sends again;
+    on a parked link whose VMM is gone and that was not rebound, it ends the stream.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(sock)
+        self._frames = Frames()
+        self._open = asyncio.Event()
+        self._open.set()
+        self._sending = False
+        self._parked = False
+        self._next: asyncio.Future[socket.socket | None] | None = None
+
+    @property
+    def parked(self) -> bool:
+        return self._parked
+
+    async def send(self, data: bytes) -> None:
+        whole = self._frames.feed(data)
+        await self._open.wait()
+        if whole:
+            self._sending = True
+            try:
+                await asyncio.get_running_loop().sock_sendall(self.sock, whole)
+            finally:
+                self._sending = False
+
+    async def recv(self) -> bytes:
+        while True:
+            sock = self.sock
+            try:
+                data = await asyncio.get_running_loop().sock_recv(sock, CHUNK)
+            except OSError:
+                if not self._parked:
+                    raise
+                data = b""
+            if data or not self._parked:
+                return data
+            if self._next is None:
+                self._next = asyncio.get_running_loop().create_future()
+            new = await self._next
+            self._next = None
+            if new is None:
+                return b""
+            sock.close()
+            self.sock = new
+
+    async def park(self, within: float) -> bool:
+        """Hold the stream at a boundary until the peer read all of it; False (and sending
+        again) if it did not within `within` seconds."""
+        self._open.clear()
+        try:
+            async with asyncio.timeout(within):
+                # No event says that QEMU has read: SIOCOUTQ is polled (a suspend does it once).
+                while self._sending or _unread(self.sock) > 0:  # noqa: ASYNC110
+                    await asyncio.sleep(PARK_POLL_S)
+        except (TimeoutError, OSError):
+            self._open.set()
+            return False
+        self._parked = True
+        return True
+
+    def rebind(self, sock: socket.socket) -> None:
+        """The resumed VMM's connection: the stream goes on there."""
+        sock.setblocking(False)
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+        if self._next.done():  # an earlier rebind not taken yet (its VMM never ran)
+            old = self._next.result()
+            if old is not None:
+                old.close()
+            self._next = asyncio.get_running_loop().create_future()
+        self._next.set_result(sock)
+
+    def unpark(self) -> None:
+        self._parked = False
+        self._open.set()
+        if self._next is not None and not self._next.done():
+            self._next.set_result(None)
+
+    def close(self) -> None:
+        if self._next is not None and self._next.done() and self._next.result() is not None:
+            self._next.result().close()  # type: ignore[union-attr]
+        super().close()
 
 
 @attrs.frozen
@@ -199,12 +303,14 @@ class GuestClient:
 
     def __init__(self, hello: Hello) -> None:
         self.boot_id, self.session = hello.fields
+        self.next_hello: Hello | None = None  # the agent's hello that ended this session
         self.attached: asyncio.Future[Attached] = asyncio.get_running_loop().create_future()
         self._link: Link | None = None
         self._server: Any = None
         self._stream: Any = None
         self._guest: Any = None
         self._pump: asyncio.Future[Any] | None = None
+        self._pump_of: Pump | None = None
         self.ended = asyncio.Event()
 
     # Connecting -----------------------------------------------------------------------------
@@ -217,7 +323,7 @@ class GuestClient:
         try:
             async with asyncio.timeout(deadline):
                 await asyncio.get_running_loop().sock_connect(sock, path)
-                return await cls._start(Link(sock))
+                return await cls._start(SwapLink(sock))
         except TimeoutError:
             sock.close()
             raise FeosError(
@@ -240,7 +346,7 @@ class GuestClient:
         try:
             async with asyncio.timeout(deadline):
                 sock, _ = await asyncio.get_running_loop().sock_accept(listener)
-                return await cls._start(Link(sock))
+                return await cls._start(SwapLink(sock))
         except TimeoutError:
             if sock is not None:
                 sock.close()
@@ -270,6 +376,7 @@ class GuestClient:
     async def _rpc(self, link: Link, pump: Pump) -> None:
         ours, theirs = socket.socketpair()
         self._link = link
+        self._pump_of = pump
         self._stream = await capnp.AsyncIoStream.create_connection(sock=ours)
         self._server = capnp.TwoPartyServer(self._stream, bootstrap=_NodeServer(self._attached))
         self._guest = self._server.bootstrap().cast_as(guest.GuestService)
@@ -282,8 +389,47 @@ class GuestClient:
 
     def _end(self) -> None:
         if self._pump is not None and self._pump.done() and not self._pump.cancelled():
-            self._pump.exception()  # EOFError of a link that closed: that is the end
+            if self._pump.exception() is None:  # an EOFError of a link that closed: the end
+                result = self._pump.result()
+                self.next_hello = result if isinstance(result, Hello) else None
         self.ended.set()
+
+    # Across a suspend --------------------------------------------------------------------
+
+    async def park(self, within: float) -> bool:
+        """Before the VMM stops for a suspend: hold the link quiet at a message boundary (see
+        SwapLink), so that this session can go on over the resumed VMM's link."""
+        if not isinstance(self._link, SwapLink) or self.ended.is_set():
+            return False
+        return await self._link.park(within)
+
+    async def rejoin(self, path: str) -> None:
+        """Dial the resumed VMM's guest.sock and go on with this session over it."""
+        if not isinstance(self._link, SwapLink) or not self._link.parked:
+            raise FeosError(Code.FAILED_PRECONDITION, "the guest's session is not parked")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, path)
+        except OSError as e:
+            sock.close()
+            raise FeosError(Code.UNAVAILABLE, f"the guest link {path}: {e.strerror or e}") from None
+        self._link.rebind(sock)
+
+    async def unpark(self) -> None:
+        if isinstance(self._link, SwapLink):
+            self._link.unpark()
+
+    async def follow(self) -> GuestClient | None:
+        """The session the agent began with the hello that ended this one, on the same link;
+        None when this one ended otherwise (then close it and dial again)."""
+        if self.next_hello is None or self._link is None or self._pump_of is None:
+            return None
+        link, pump, self._link = self._link, self._pump_of, None
+        client = GuestClient(self.next_hello)
+        await client._rpc(link, pump)
+        await self.close()
+        return client
 
     async def close(self) -> None:
         if self._pump is not None:

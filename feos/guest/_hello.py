@@ -129,3 +129,76 @@ class Scanner:
             out[-1] = ("data", out[-1][1] + data)  # type: ignore[operator]
         else:
             out.append(("data", data))
+
+
+class Frames:
+    """Cuts one direction of the link after its last whole message or line, without I/O.
+
+    The node sends only what `feed` gives back, so the bytes on the link always end at a
+    boundary: a link held there (before a suspend) can go on later over another connection, or
+    take a poke, without the guest's Scanner finding a message cut in two. Framing it cannot
+    follow (more than MAX_SEGMENTS segments, an overlong line) is passed on as it comes, as the
+    Scanner passes it on.
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._pos = 0  # bytes of _buf looked at; _buf[:_whole] ends at a boundary
+        self._whole = 0
+        self._left = 0  # bytes still to come of the message at _pos
+        self._passthrough = False
+
+    def feed(self, data: bytes) -> bytes:
+        self._buf += data
+        if self._passthrough:
+            self._whole = len(self._buf)
+        while not self._passthrough and self._step():
+            pass
+        out = bytes(self._buf[: self._whole])
+        del self._buf[: self._whole]
+        self._pos -= self._whole
+        self._whole = 0
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Bytes held back: the part of a message or line fed so far."""
+        return len(self._buf)
+
+    def _step(self) -> bool:
+        """Moves past one more message part or boundary item; False when more is needed."""
+        if self._left:
+            n = min(self._left, len(self._buf) - self._pos)
+            self._pos += n
+            self._left -= n
+            if self._left:
+                return False
+            self._whole = self._pos
+            return True
+        rest = len(self._buf) - self._pos
+        if rest < 4:
+            return False
+        if self._buf[self._pos : self._pos + 4] == _MAGIC:
+            end = self._buf.find(b"\n", self._pos)
+            if end < 0:
+                if rest > MAX_LINE:
+                    self._lose()
+                return False
+            self._pos = self._whole = end + 1
+            return True
+        (count_less_one,) = struct.unpack_from("<I", self._buf, self._pos)
+        count = count_less_one + 1
+        if count > MAX_SEGMENTS:
+            self._lose()
+            return False
+        header = 4 * (count + 1)
+        header += header % 8
+        if rest < header:
+            return False
+        sizes = struct.unpack_from(f"<{count}I", self._buf, self._pos + 4)
+        self._left = header + 8 * sum(sizes)
+        return True
+
+    def _lose(self) -> None:
+        self._passthrough = True
+        self._whole = len(self._buf)

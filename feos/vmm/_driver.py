@@ -22,6 +22,7 @@ Drivers never touch vms.db; the service records what a call changed after it ret
 from __future__ import annotations
 
 import enum
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -128,8 +129,11 @@ class Driver(Protocol):
         """Wait for a late snapshot to end, run the VM again, discard the snapshot and marker."""
         ...
 
-    async def resume(self, vm: VmHandle, *, within: float) -> None:
-        """Load the snapshot, run the vCPUs, remove the snapshot."""
+    async def resume(self, vm: VmHandle, *, within: float,
+                     rejoin: Callable[[], Awaitable[bool]] | None = None) -> None:  # fmt: skip
+        """Load the snapshot, run the vCPUs, remove the snapshot. `rejoin`, where the driver
+        can, runs between the load and the vCPUs' start: the guest link's session dials the
+        new VMM then (True), and the driver waits until the VMM took the connection."""
         ...
 
     async def delete(self, vm: VmHandle) -> None:

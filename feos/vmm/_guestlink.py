@@ -41,6 +41,7 @@ CLOCK_CALL_S = 5.0
 PUSH_S = 10.0
 RESUME_PING_S = 30.0
 ATTACH_S = 5.0  # after the hello, the agent's attach
+PARK_S = 1.0  # before a suspend: until the guest has read what the node sent
 BACKOFF_MIN_S = 0.02
 BACKOFF_MAX_S = 2.0
 
@@ -131,16 +132,16 @@ async def connect_poking(path: str, deadline: float = ATTACH_S) -> Any:
     import secrets
     import socket
 
-    from feos.guest._client import GuestClient
+    from feos.guest._client import GuestClient, SwapLink
     from feos.guest._hello import GUEST_HELLO, node_poke
-    from feos.guest._link import Link, Pump
+    from feos.guest._link import Pump
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setblocking(False)
     try:
         async with asyncio.timeout(deadline):
             await asyncio.get_running_loop().sock_connect(sock, path)
-            link = Link(sock)
+            link = SwapLink(sock)
             await link.send(node_poke(secrets.token_hex(8)))
             pump = Pump(link)
             hello = await pump.next_line(GUEST_HELLO)
@@ -190,9 +191,15 @@ class GuestLink:
         self._client: Any = None
         self._changed = trio.Event()
         self._kick = trio.Event()
-        self._resumed = False
+        self._resumed = False  # until a resumed guest answered its ping
         self._hold = False
         self._pinged = trio.Event()
+        self._wake = trio.Event()  # a kick, an unpark or a drop, for a parked session
+        self._parked = False  # the session holds its link for a suspend
+        self._rejoined = False  # ... and dialed the resumed VMM
+        self._drop = False
+        self._suspending = False  # from a park until the kick, unpark or drop after it
+        self._greeted_before: Any = None
         self.sessions = 0  # sessions up so far
         self.attaches = 0  # sessions greeted and pushed so far
         self._greeted: Any = None  # the client whose session was greeted
@@ -203,9 +210,11 @@ class GuestLink:
         return self._client
 
     def kick(self) -> None:
-        """Dial now: a VMM has just started or resumed."""
+        """Dial now: a VMM has just started or resumed. A session parked for a suspend goes
+        on: pinged when it was rejoined to the resumed VMM, else let go (its VMM is gone)."""
         self._hold = False
         self._kick.set()
+        self._wake.set()
 
     async def session(self, within: float) -> Any:
         """The guest's client once a session is up and greeted (the time and the network
@@ -227,52 +236,139 @@ class GuestLink:
         self._pinged = trio.Event()
         return self._pinged
 
+    # -- across a suspend -------------------------------------------------------------------
+
+    async def park(self) -> bool:
+        """Before a suspend stops the VMM: the session holds its bytes at a message boundary
+        until the guest has read all it was sent (SwapLink), so that it can go on over the
+        resumed VMM's link. Until then no caller gets the client. False: not kept."""
+        client = self._client
+        self._greeted_before, self._greeted = self._greeted, None
+        self._signal()
+        self._parked = self._rejoined = self._drop = False
+        self._suspending = True
+        if client is None or not hasattr(client, "park"):
+            return False
+        try:
+            with trio.fail_after(PARK_S + 1):
+                self._parked = bool(await self.call(client.park, PARK_S))
+        except (FeosError, trio.TooSlowError) as exc:
+            log.info("guest of %s: the link could not be held for the suspend: %s",
+                     self.vm_id, exc)  # fmt: skip
+        if not self._parked:
+            log.info("guest of %s: the guest did not read the link within %gs; its session "
+                     "ends with the suspend", self.vm_id, PARK_S)  # fmt: skip
+        return self._parked
+
+    async def rejoin(self) -> bool:
+        """The resumed VMM has loaded the snapshot and waits paused: the parked session dials
+        its guest.sock and goes on over it. True if it did; the VM may run then, and `kick`
+        pings the guest through the same session. False: a new session after the resume."""
+        client = self._client
+        if not self._parked or client is None or not hasattr(client, "rejoin"):
+            return False
+        try:
+            with trio.fail_after(PUSH_S):
+                await self.call(client.rejoin, str(self._path))
+        except (FeosError, trio.TooSlowError) as exc:
+            log.info("guest of %s: the session could not rejoin: %s", self.vm_id, exc)
+            return False
+        self._rejoined = True
+        return True
+
+    def unpark(self) -> None:
+        """The suspend did not happen (it failed, or its late snapshot was given up): the
+        session goes on over the same VMM, greeted as it was."""
+        if not self._parked:
+            self._regreet()
+        self._wake.set()
+
+    def _regreet(self) -> None:
+        if self._client is not None and self._greeted_before is self._client:
+            self._greeted = self._client
+            self._signal()
+
+    def drop(self) -> None:
+        """A resume failed after the session rejoined: end it (its VMM is gone, and what the
+        guest sent may come again from the next one); the next resume's session is new."""
+        self._drop = True
+        self._wake.set()
+
     # -- the loop -------------------------------------------------------------------------
 
     async def run(self) -> None:
         backoff = BACKOFF_MIN_S
+        client: Any = None
         while True:
-            while self._hold:
-                await self._kick.wait()
-                self._kick = trio.Event()
-            try:
-                client = await self.call(self._connect or connect_poking, str(self._path))
-            except FeosError as exc:
-                log.debug("guest of %s: %s", self.vm_id, exc.message)
-                with trio.move_on_after(backoff):
+            if client is None:
+                while self._hold:
                     await self._kick.wait()
-                if self._kick.is_set():
                     self._kick = trio.Event()
-                    backoff = BACKOFF_MIN_S
-                else:
-                    backoff = min(BACKOFF_MAX_S, backoff * 2)
-                continue
+                try:
+                    client = await self.call(self._connect or connect_poking, str(self._path))
+                except FeosError as exc:
+                    log.debug("guest of %s: %s", self.vm_id, exc.message)
+                    backoff = await self._back_off(backoff)
+                    continue
             backoff = BACKOFF_MIN_S
             try:
                 await self._serve(client)
+                follow = getattr(client, "follow", None)
+                after = await self.call(follow) if follow is not None else None
             finally:
                 self._set_client(None)
+                self._parked = self._rejoined = self._drop = self._suspending = False
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     await self.call(client.close)
+            client = after  # the agent's new session on the same link, or None: dial again
+
+    async def _back_off(self, backoff: float) -> float:
+        with trio.move_on_after(backoff):
+            await self._kick.wait()
+        if self._kick.is_set():
+            self._kick = trio.Event()
+            return BACKOFF_MIN_S
+        return min(BACKOFF_MAX_S, backoff * 2)
 
     async def _serve(self, client: Any) -> None:
-        resumed, self._resumed = self._resumed, False
         self.sessions += 1
         self._set_client(client)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._greet, client, resumed)
+            nursery.start_soon(self._greet, client)
             nursery.start_soon(self._clock_loop, client)
+            nursery.start_soon(self._across_suspends, client, nursery)
             await self.call(_wait_ended, client)
             nursery.cancel_scope.cancel()
         log.info("guest of %s: the session ended", self.vm_id)
 
-    async def _greet(self, client: Any, resumed: bool) -> None:
+    async def _across_suspends(self, client: Any, nursery: trio.Nursery) -> None:
+        """After each park: on the kick that follows, a rejoined session sends again and
+        greets the resumed guest; one not rejoined is let go, and ends if its VMM is gone."""
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            self._suspending = False
+            if not self._parked:
+                continue
+            if self._drop:
+                nursery.cancel_scope.cancel()
+                return
+            rejoined, self._parked, self._rejoined = self._rejoined, False, False
+            await self.call(client.unpark)
+            if rejoined:
+                nursery.start_soon(self._greet, client)
+            elif not self._resumed:  # the suspend did not happen: greeted as it was
+                self._regreet()
+
+    async def _greet(self, client: Any) -> None:
         """A resumed guest is pinged once (30 s: its memory may come page by page); a booted
         one is waited for until it attaches. Then the wall time and the network are pushed."""
+        resumed = self._resumed
         try:
             if resumed:
                 with trio.fail_after(RESUME_PING_S):
                     await self.call(client.ping)
+                self._resumed = False
                 self._pinged.set()
             else:
                 await self.call(_wait_attached, client, ATTACH_S)
@@ -315,7 +411,8 @@ class GuestLink:
     async def _clock_loop(self, client: Any) -> None:
         while True:
             await trio.sleep(self._clock_interval)
-            self.last_clock = await self.keep_clock(client)
+            if not self._suspending:  # a suspended guest would not answer
+                self.last_clock = await self.keep_clock(client)
 
     async def keep_clock(self, client: Any) -> ClockStep:
         """One round: measure, then AdjustTime (or SetTime for a guest without it)."""

@@ -37,6 +37,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,8 @@ LATE_MARKER = "late-snapshot"
 SNAPSHOT_FILE = "memory"
 MAX_BANDWIDTH = 1 << 40  # bytes/s: QEMU's default cap (128 MiB/s) would make a suspend 10x slower
 QMP_WITHIN_S = 5.0
+LINK_WITHIN_S = 1.0  # a resume: until QEMU took the guest link's connection, before `cont`
+LINK_CHARDEV = "guest"  # the guest link's -chardev id (_qemu_argv)
 
 
 @attrs.define
@@ -369,7 +372,8 @@ class QemuDriver:
         await live.qmp.execute("cont")
         await trio.to_thread.run_sync(_discard_snapshot, vm.directory)
 
-    async def resume(self, vm: VmHandle, *, within: float) -> None:
+    async def resume(self, vm: VmHandle, *, within: float,
+                     rejoin: Callable[[], Awaitable[bool]] | None = None) -> None:  # fmt: skip
         memory = vm.directory / "snapshot" / SNAPSHOT_FILE
         if not memory.exists():
             raise FeosError(Code.FAILED_PRECONDITION, f"microVM {vm.id} has no snapshot")
@@ -383,6 +387,12 @@ class QemuDriver:
         if status != "completed":
             await self._kill(vm.id)
             raise FeosError(Code.INTERNAL, f"QEMU could not load the snapshot: {status}")
+        if rejoin is not None and await rejoin():
+            # The guest must not see the link down: QEMU tells it so after `cont` unless
+            # the port's connection is there again by then (the guest's Cap'n Proto session
+            # then goes on, and a ping needs no new hello nor session).
+            with trio.move_on_after(LINK_WITHIN_S):
+                await _link_connected(live.qmp)
         await live.qmp.execute("cont")
         await trio.to_thread.run_sync(_discard_snapshot, vm.directory)
 
@@ -682,6 +692,16 @@ async def _migrated(qmp: Qmp) -> str:
                 raise FeosError(Code.INTERNAL, f"QEMU's snapshot {status}: {why}")
             return str(status)
         await trio.sleep(0.002)
+
+
+async def _link_connected(qmp: Qmp) -> None:
+    """Poll until QEMU has accepted a connection on the guest link's socket."""
+    while True:
+        for chardev in await qmp.execute("query-chardev"):
+            if chardev.get("label") == LINK_CHARDEV:
+                if not str(chardev.get("filename", "")).startswith("disconnected:"):
+                    return
+        await trio.sleep(0.001)
 
 
 async def _incoming_done(qmp: Qmp) -> str:

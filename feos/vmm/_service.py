@@ -351,10 +351,14 @@ class MicroVms:
         if purge_guest:
             await self._purge(vm)
         timeout = self._snapshot_timeout or float(budget.snapshot_s)
+        if vm.link is not None:
+            await vm.link.park()  # the session can go on after the resume
         try:
             await self._driver.suspend(vm.handle, snapshot_timeout=timeout)
-        except FeosError as exc:
-            if exc.busy:
+        except BaseException as exc:
+            if not (isinstance(exc, FeosError) and exc.busy) and vm.link is not None:
+                vm.link.unpark()  # no suspend: the session goes on over the same VMM
+            if isinstance(exc, FeosError) and exc.busy:
                 await self._record(vm, VmState.BUSY, exc.message)
                 assert self._nursery is not None
                 self._nursery.start_soon(self._late_done, vm, vm.generation)
@@ -382,6 +386,8 @@ class MicroVms:
         except FeosError as exc:
             log.warning("microVM %s: after its late snapshot: %s", vm.record.id, exc)
             return
+        if vm.link is not None:
+            vm.link.unpark()  # the VM runs on in the same VMM: so does the guest's session
         async with vm.lock:
             if not vm.deleted and vm.generation == generation:
                 await self._record(vm, VmState.RUNNING, "")
@@ -395,11 +401,17 @@ class MicroVms:
             next_state(vm.record.state, "resume")
             assert vm.link is not None
             pinged = vm.link.resuming()
-            await self._driver.resume(vm.handle, within=BOOT_S)
+            try:
+                await self._driver.resume(vm.handle, within=BOOT_S, rejoin=vm.link.rejoin)
+            except BaseException:
+                vm.link.drop()  # a session that rejoined a VMM that never ran is not kept
+                raise
+            # The guest runs: the link pings it (through the session kept across the suspend
+            # when it rejoined) while the VM's cgroup and record are done beside it.
+            vm.link.kick()
             await self._join_cgroup(vm)
             await self._record(vm, VmState.RUNNING, "")
             self._watch(vm)
-            vm.link.kick()  # it pings the guest, then pushes the time and the network
             with trio.move_on_after(RESUME_PING_S) as waited:
                 await pinged.wait()
             if waited.cancelled_caught:
