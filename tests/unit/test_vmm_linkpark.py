@@ -362,3 +362,99 @@ async def test_a_failed_resume_drops_the_rejoined_session(
         await trio.sleep(10)
         assert len(clients) == 1  # held: no dial until the next resume kicks
         nursery.cancel_scope.cancel()
+
+
+# -- with a real agent (a process on the host) and a relay in QEMU's place -------------------
+
+
+async def _relay(a: socket.socket, b: socket.socket) -> None:
+    """Copies both ways, as QEMU's virtio-serial port does, until cancelled."""
+    loop = asyncio.get_running_loop()
+
+    async def copy(src: socket.socket, dst: socket.socket) -> None:
+        while data := await loop.sock_recv(src, 65536):
+            await loop.sock_sendall(dst, data)
+
+    await asyncio.gather(copy(a, b), copy(b, a))
+
+
+def _agent(tmp_path: Path) -> tuple[Any, socket.socket]:
+    from tests.unit.test_guest_service import AgentProcess
+
+    agent_end, relay_end = socket.socketpair()
+    agent = AgentProcess(str(tmp_path), link=f"fd:{agent_end.fileno()}",
+                         pass_fds=(agent_end.fileno(),))  # fmt: skip
+    agent_end.close()
+    relay_end.setblocking(False)
+    return agent, relay_end
+
+
+def test_a_real_agents_session_goes_on_over_the_next_vmms_connection(tmp_path: Path) -> None:
+    import capnp  # type: ignore[import-untyped]
+
+    from feos.guest._client import GuestClient
+
+    agent, guest_side = _agent(tmp_path)
+
+    async def main() -> None:
+        node1, vmm1 = _pair()
+        relay = asyncio.ensure_future(_relay(guest_side, vmm1))
+        client = await GuestClient._start(SwapLink(node1))
+        first = await client.ping()
+        assert await client.park(2.0)
+        await asyncio.sleep(0.05)  # the relay has passed on what it read
+        relay.cancel()
+        await asyncio.gather(relay, return_exceptions=True)
+        vmm1.close()  # the old VMM quit: the node reads its end and waits
+        held = asyncio.ensure_future(client.ping())
+        await asyncio.sleep(0.2)
+        assert not held.done() and not client.ended.is_set()
+        node2, vmm2 = _pair()
+        client._link.rebind(node2)  # type: ignore[union-attr]
+        relay = asyncio.ensure_future(_relay(guest_side, vmm2))
+        await client.unpark()
+        second = await asyncio.wait_for(held, 10)
+        assert (second.boot_id, client.ended.is_set()) == (first.boot_id, False)
+        assert second.uptime_ns > first.uptime_ns
+        await client.close()
+        relay.cancel()
+        await asyncio.gather(relay, return_exceptions=True)
+        vmm2.close()
+
+    try:
+        asyncio.run(capnp.run(main()))
+        assert agent.output().count("hello sent") == 1, agent.output()  # one session only
+    finally:
+        agent.close()
+        guest_side.close()
+
+
+def test_a_new_hello_is_followed_on_the_same_connection(tmp_path: Path) -> None:
+    import capnp
+
+    from feos.guest._client import GuestClient
+
+    agent, guest_side = _agent(tmp_path)
+
+    async def main() -> None:
+        node, vmm = _pair()
+        relay = asyncio.ensure_future(_relay(guest_side, vmm))
+        client = await GuestClient._start(SwapLink(node))
+        await client.ping()
+        await client._link.send(node_poke("again"))  # type: ignore[union-attr]
+        await asyncio.wait_for(client.ended.wait(), 10)
+        assert client.next_hello is not None
+        nxt = await client.follow()
+        assert nxt is not None and nxt.session != client.session
+        assert (await nxt.ping()).boot_id == nxt.boot_id
+        await nxt.close()
+        relay.cancel()
+        await asyncio.gather(relay, return_exceptions=True)
+        vmm.close()
+
+    try:
+        asyncio.run(capnp.run(main()))
+        assert agent.output().count("hello sent") == 2, agent.output()
+    finally:
+        agent.close()
+        guest_side.close()
