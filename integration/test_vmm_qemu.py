@@ -169,11 +169,51 @@ async def test_suspend_keeps_the_guest_and_resume_brings_it_back(env: Env, vms: 
     info = await vms.resume(A)
     assert info.state is VmState.RUNNING
     assert not memory.exists()
-    again = await (await vms.guest(A)).ping()
+    resumed = await vms.guest(A)
+    again = await resumed.ping()
     assert again.boot_id == ping.boot_id  # the same boot: memory came back, no reboot
     away_ns = int((time.monotonic() - started) * 1e9)
     assert ping.uptime_ns < again.uptime_ns < ping.uptime_ns + away_ns - 500_000_000
     assert Suspended(A) in await _events(events)
+    # The Cap'n Proto session went on across the VMM's restart: the same client, and the
+    # guest's console (serial.log, new with the resumed QEMU) shows no new hello.
+    assert resumed.client is guest.client
+    serial = (env.state / "vms" / "qemu" / A / "serial.log").read_text(errors="replace")
+    assert "hello sent" not in serial, serial[-2000:]
+    # A call made while the VM is suspended waits in the kept session and is answered after
+    # the resume.
+    await vms.suspend(A, purge_guest=False)
+    answers: list[Any] = []
+    answered = trio.Event()
+
+    async def ping_while_suspended() -> None:
+        answers.append(await resumed.ping())
+        answered.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ping_while_suspended)
+        await trio.sleep(0.5)
+        assert answers == []
+        await vms.resume(A)
+        with trio.fail_after(10):
+            await answered.wait()
+    assert answers[0].uptime_ns > again.uptime_ns
+    assert (await vms.guest(A)).client is guest.client
+
+
+async def test_the_guest_comes_back_after_the_link_drops(env: Env, vms: MicroVms) -> None:
+    """The node's end of the link closes (as when feosd dies): the agent notices, and the
+    link's next dial gets a new session of the same boot."""
+    guest = await vms.guest(A)
+    before = await guest.ping()
+    await guest.call(guest.client.close)
+    with trio.fail_after(30):
+        again = await vms.guest(A, within=30)
+        while again.client is guest.client:  # the link has not seen its session end yet
+            await trio.sleep(0.05)
+            again = await vms.guest(A, within=30)
+    assert again.client.session != guest.client.session
+    assert (await again.ping()).boot_id == before.boot_id
 
 
 async def test_takeover_after_kill_9(env: Env) -> None:
