@@ -17,7 +17,9 @@ own user, seccomp, TCG here), 1 vCPU and 512 MiB each:
 
 The rounds alternate floor and pod so the machine's load (two cores, shared) falls on both alike;
 the ratios are of medians (the least of each is printed beside them, for a loaded machine).
-Each single pod's bring-up is broken down by its events (disk, vm, guest, containers).
+Each single pod's bring-up is broken down by its events (disk, vm, guest, containers), and by the
+guest's own times from its console (g:network, the push of its network in the attach; g:pull,
+inside g:create; g:start): docs/pods.md says where the time goes.
 Targets: one pod under 1.3x its guest's boot; ten at once under 1.3x ten bare boots as well: what
 a pod adds (TAP, records, the pull from the registry, crun) is per pod and small beside a boot
 under TCG, and feosd serialises only its records and table writes, which are milliseconds.
@@ -30,6 +32,7 @@ import itertools
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -106,6 +109,7 @@ async def create_pods(net: PodNet, ids: list[str]) -> tuple[float, list[float], 
             nursery.start_soon(create, pod_id)
     took = time.perf_counter() - started
     steps = await _steps(watch)
+    steps.update(_guest_steps(net, ids[0]))
     own = []
     for pod_id in ids:
         pod = await trio.to_thread.run_sync(net.ctl_json, "pod", "get", pod_id)
@@ -132,6 +136,29 @@ async def _steps(watch: trio.Process) -> dict[str, float]:
         name = this.get("step") or this.get("state", "")
         steps[name] = steps.get(name, 0.0) + (after["timeUnixNs"] - this["timeUnixNs"]) / 1e9
     return steps
+
+
+GUEST_LINES = (  # the guest's console (feos.guest._service, _images, _containers): name, pattern
+    ("g:network", re.compile(r"configureNetwork took ([\d.]+) s")),
+    ("g:pull", re.compile(r"pulled \S+ in ([\d.]+) s")),
+    ("g:create", re.compile(r"container \S+ made in ([\d.]+) s")),
+    ("g:start", re.compile(r"container \S+ started in ([\d.]+) s")),
+)
+
+
+def _guest_steps(net: PodNet, pod_id: str) -> dict[str, float]:
+    """The guest's own times of its parts of the bring-up, from its console (serial.log)."""
+    log = net.state_dir / "vms" / "qemu" / pod_id / "serial.log"
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return {}
+    found = {}
+    for name, pattern in GUEST_LINES:
+        match = pattern.search(text)
+        if match:
+            found[name] = float(match.group(1))
+    return found
 
 
 # -- the run -------------------------------------------------------------------------------------
