@@ -72,18 +72,29 @@ BLOCKED = ("ssl",)
 
 
 class _Logger:
-    """logging.getLogger(name), once used: logging is imported on the first use of an attribute."""
+    """logging.getLogger(name), once used: logging is imported on the first use of an attribute.
+
+    But for debug and info while logging waits (a _Lazy module): nothing can have configured it
+    then, and an unconfigured logger drops what is below WARNING. asyncio's loop says debug
+    ("Using selector") each time one is made.
+    """
 
     def __init__(self, name: str) -> None:
         self._name = name
 
     def __getattr__(self, attr: str) -> Any:
+        if attr in ("debug", "info") and type(sys.modules.get("logging")) is _Lazy:
+            return _dropped
         import logging
 
         return getattr(logging.getLogger(self._name), attr)
 
     def __repr__(self) -> str:
         return f"<logger {self._name} (logging imported on first use)>"
+
+
+def _dropped(*args: object, **kwargs: object) -> None:
+    """A record below WARNING, to a logging nothing has configured."""
 
 
 # What the start's modules read of lazy modules at their top, with the values the modules' own
