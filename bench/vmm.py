@@ -10,11 +10,15 @@ five of each, in the same run as its limits:
   for), beside QEMU's own `-incoming` to running
   (target: under 1.5x), and beside a cold boot of the same guest to Ping (target: under 0.1x).
 
-Run as root: .venv/bin/python bench/vmm.py
+Run as root: .venv/bin/python bench/vmm.py [--trace]
+
+--trace logs each resume's steps (feos.vmm at debug: the load, the link's rejoin, cont, and the
+guest's ping after it ran, kept session or new) on stderr.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import statistics
@@ -146,6 +150,11 @@ def _line(name: str, values: list[float]) -> float:
 async def main() -> None:
     if os.geteuid() != 0:
         sys.exit("bench/vmm.py runs QEMU confined (chroot, its own user): run it as root")
+    if "--trace" in sys.argv[1:]:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(relativeCreated)8.0f ms %(message)s"))
+        logging.getLogger("feos.vmm").addHandler(handler)
+        logging.getLogger("feos.vmm").setLevel(logging.DEBUG)
     version, gdir = newest_guest(guest_root())
     with tempfile.TemporaryDirectory(prefix="feos-bench-vmm-", dir="/var/tmp") as tmp:
         root = Path(tmp)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -401,6 +402,7 @@ class MicroVms:
             next_state(vm.record.state, "resume")
             assert vm.link is not None
             pinged = vm.link.resuming()
+            sessions = vm.link.sessions
             try:
                 await self._driver.resume(vm.handle, within=BOOT_S, rejoin=vm.link.rejoin)
             except BaseException:
@@ -409,6 +411,7 @@ class MicroVms:
             # The guest runs: the link pings it (through the session kept across the suspend
             # when it rejoined) while the VM's cgroup and record are done beside it.
             vm.link.kick()
+            running = time.monotonic()
             await self._join_cgroup(vm)
             await self._record(vm, VmState.RUNNING, "")
             self._watch(vm)
@@ -417,6 +420,10 @@ class MicroVms:
             if waited.cancelled_caught:
                 log.warning("microVM %s: the resumed guest did not answer its ping within "
                             "%gs", vm_id, RESUME_PING_S)  # fmt: skip
+            else:
+                log.debug("microVM %s: the resumed guest answered its ping %.1f ms after it "
+                          "ran (session %s)", vm_id, 1000 * (time.monotonic() - running),
+                          "kept" if vm.link.sessions == sessions else "new")  # fmt: skip
         return self._info(vm)
 
     async def delete(self, vm_id: str) -> None:
