@@ -125,6 +125,9 @@ ASYNCIO_NAMES = {
 }  # fmt: skip
 _ASYNCIO_ORDER = (*ASYNCIO_EAGER[:8], "queues", "streams", "subprocess", "tasks", "taskgroups",
                   "timeouts", "threads", "transports", "unix_events")  # fmt: skip
+# and the order of its __all__, which leaves taskgroups out (Python 3.11's, as it is)
+_ASYNCIO_ALL = (*ASYNCIO_EAGER[:8], "queues", "streams", "subprocess", "tasks", "threads",
+                "timeouts", "transports", "unix_events")  # fmt: skip
 # Cython's modules try each import as relative first (capnp.lib.os, then os), a search of
 # capnp/lib/ each: _NoRelative ends it at once. (A None in sys.modules would not do: Cython takes
 # it for a module, and binds `os` to the package capnp.)
@@ -254,17 +257,15 @@ def _lean_asyncio() -> bool:
 def _run_asyncio_init() -> None:
     """What asyncio/__init__.py does, but for the star-imports of the lazy submodules."""
     package = sys.modules["asyncio"]
-    names: list[str] = []
+    exported: dict[str, tuple[str, ...]] = dict(ASYNCIO_NAMES)
     for sub in _ASYNCIO_ORDER:
-        if sub in ASYNCIO_NAMES:
-            names += ASYNCIO_NAMES[sub]
-            continue
-        module = __import__(f"asyncio.{sub}", fromlist=["_"])
-        exported: tuple[str, ...] = getattr(module, "__all__")  # noqa: B009
-        for name in exported:
-            setattr(package, name, getattr(module, name))
-        names += exported
-    vars(package).update(sys=sys, __all__=tuple(names))  # as asyncio/__init__.py has them
+        if sub not in ASYNCIO_NAMES:
+            module = __import__(f"asyncio.{sub}", fromlist=["_"])
+            exported[sub] = getattr(module, "__all__")  # noqa: B009
+            for name in exported[sub]:
+                setattr(package, name, getattr(module, name))
+    names = tuple(n for sub in _ASYNCIO_ALL for n in exported[sub])
+    vars(package).update(sys=sys, __all__=names)  # as asyncio/__init__.py has them
 
 
 def pending() -> list[str]:
