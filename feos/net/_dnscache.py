@@ -88,6 +88,10 @@ class AnswerCache:
         self.max_entries = max_entries
         self.max_ttl = max_ttl
         self._entries: OrderedDict[Key, _Entry] = OrderedDict()
+        # For the hot path (_dnsfast.answer_batch), which checks an entry's age itself: the entry
+        # kept for a key, unchecked, and making a kept one the most recently used, as `fresh` does.
+        self.peek = self._entries.get
+        self.touch = self._entries.move_to_end
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -129,6 +133,17 @@ class AnswerCache:
     ) -> tuple[bytes, _Entry] | None:
         """The kept reply with the client's ID (2 bytes) and its spelling of the question's name
         (wire form, as long as the kept one: the key holds it in lower case), or None."""
+        entry = self.fresh(key, now, limit)
+        if entry is None:
+            return None
+        aged = entry.aged
+        return ident + aged[2:12] + name + aged[12 + len(name) :], entry
+
+    def fresh(self, key: Key, now: float, limit: int) -> _Entry | None:
+        """The entry whose `aged` bytes are the reply now (TTLs lowered, the kept ID and name),
+        made the most recently used; None if never kept, expired (then forgotten) or longer than
+        `limit`. An entry stays the same object while it is kept: a caller may hold on to it and
+        to what it made of it while `aged_for` stays int(now - stored) (see _dnsfast)."""
         entry = self._entries.get(key)
         if entry is None:
             return None
@@ -141,9 +156,7 @@ class AnswerCache:
         if age != entry.aged_for:
             entry.aged, entry.aged_for = _aged(entry, age), age
         self._entries.move_to_end(key)
-        aged = entry.aged
-        return ident + aged[2:12] + name + aged[12 + len(name) :], entry
-
+        return entry
 
 def _aged(entry: _Entry, age: int) -> bytes:
     buf = bytearray(entry.wire)

@@ -13,13 +13,18 @@ path gives one: tests/unit/test_dns_fast.py holds both to that for any bytes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+from . import _dnsmmsg
 from ._dnscache import (
     KEY_DO,
     KEY_EDNS,
     KEY_FLAGS,
     AnswerCache,
+    Key,
+    _Entry,
     cache_key,
-    upstream_texts,
     upstreams_text,
 )
 from ._dnsmsg import MAX_MESSAGE, name_text
@@ -29,14 +34,54 @@ from ._nametable import Address
 _ONE_QUESTION = b"\x00\x01\x00\x00\x00\x00\x00\x00"  # qd an ns ar: 1 0 0 0
 _ONE_QUESTION_OPT = b"\x00\x01\x00\x00\x00\x00\x00\x01"  # and one additional: the OPT
 _OPT_HEAD = b"\x00\x00\x29"  # the root name, type 41
-_SCANS_KEPT = 4096
-_SCANNED_AT_MOST = 512  # bytes of a query whose scan is kept: at most 2 MB kept in all
+_HOT_KEPT = 4096
+_SCANNED_AT_MOST = 512  # bytes of a query whose scan is kept: at most 2 MB of queries kept
+_TAILS_AT_MOST = 16 << 20  # bytes of answers made for the kept queries before they are let go
 
-# What a scan finds: the offset after the question's name, qtype << 16 | qclass, the most the
-# client takes over UDP, the key's bits, the name in lower case, the name as records spell it.
-Scan = tuple[int, int, int, int, bytes, str]
-_scans: dict[bytes, Scan | None] = {}  # by the query's bytes after its ID: pods repeat queries
-_UNSEEN: Scan = (0, 0, 0, 0, b"", "")
+
+class _Hot:
+    """What the fast path keeps of one query's bytes after its ID (pods repeat their queries):
+    the scan, the cache key for the upstreams it was last asked for, and the answer made for its
+    spelling from the entry it was last answered from, at that entry's age."""
+
+    __slots__ = (
+        "aged_for",
+        "bits",
+        "entry",
+        "key",
+        "limit",
+        "lower",
+        "pin",
+        "pointer",
+        "qtype_class",
+        "size",
+        "spelled",
+        "tail",
+        "text",
+        "upstreams",
+    )  # fmt: skip
+
+    def __init__(self, limit: int, qtype_class: int, bits: int, spelled: bytes, text: str) -> None:
+        self.limit = limit  # the most the client takes over UDP
+        self.qtype_class = qtype_class  # qtype << 16 | qclass
+        self.bits = bits  # the key's bits: RD, CD, KEY_EDNS, KEY_DO
+        self.lower = spelled.lower()  # the question's name in wire form, as the key has it
+        self.spelled = spelled  # ... and as the client spelled it
+        self.text = text  # ... as records give it
+        self.upstreams: tuple[Address, ...] | None = None
+        self.key: Key = ()
+        self.entry: _Entry | None = None
+        self.aged_for = -1
+        self.tail = b""  # the answer after its ID: entry.aged with the client's spelling
+        self.size = 0  # the whole answer's length, its ID included
+        self.pointer = 0  # where tail's bytes are, for sendmmsg (0: not pinned yet)
+        self.pin: Any = None
+
+
+_hot: dict[bytes, _Hot | None] = {}  # by the query's bytes after its ID; None: the slow path's
+_tail_bytes = 0
+_UNSEEN = _Hot(0, 0, 0, b"", "")
+_UNKNOWN = PodDns("")  # a source not looked up yet in this batch
 
 
 def cached_reply(
@@ -48,47 +93,165 @@ def cached_reply(
     now: float,
     transport: Transport = "udp",
 ) -> tuple[bytes, QueryRecord] | None:
-    """The answer from the cache and its record, or None: the slow path decides."""
+    """The answer from the cache and its record, or None: the slow path decides. One query at
+    a time; `answer_batch` is the same for a batch that recvmmsg read."""
     if pod is None:
         return None
     after_id = data[2:]
-    scan = _scans.get(after_id, _UNSEEN)
-    if scan is _UNSEEN:
-        scan = _scan(data)
-        if len(data) <= _SCANNED_AT_MOST:
-            if len(_scans) >= _SCANS_KEPT:
-                _scans.clear()
-            _scans[after_id] = scan
-    if scan is None:
+    hot = _hot.get(after_id, _UNSEEN)
+    if hot is _UNSEEN:
+        hot = _learn(data)
+    if hot is None:
         return None
-    end, qtype_class, udp_limit, bits, lower, text = scan
     upstreams = pod.upstreams or default_upstreams
-    known = upstream_texts.get(id(upstreams))  # upstreams_text and make_key inline: hot path
-    text_ups = (
-        known[1] if known is not None and known[0] is upstreams else upstreams_text(upstreams)
-    )
-    key = (text_ups, lower, qtype_class, bits)
-    limit = udp_limit if transport == "udp" else MAX_MESSAGE
-    found = cache.answer(key, now, limit, data[:2], data[12:end])
-    if found is None:
+    if hot.upstreams is not upstreams:
+        _bind(hot, upstreams)
+    entry = _refresh(hot, cache, now, hot.limit if transport == "udp" else MAX_MESSAGE)
+    if entry is None:
         return None
-    wire, entry = found
-    record = QueryRecord(
+    return data[:2] + hot.tail, _record(hot, entry, now, source, pod.pod_id, transport)
+
+
+def answer_batch(
+    batcher: _dnsmmsg.Batcher,
+    count: int,
+    now: float,
+    pod_of: Callable[[str], PodDns | None],
+    default_upstreams: tuple[Address, ...],
+    cache: AnswerCache,
+    slow: Callable[[int, PodDns | None, list[Any]], None],
+    done: list[Any],
+) -> None:
+    """Answer the `count` datagrams the batcher read: what the cache holds is queued here (its
+    ID from the query's own bytes, the rest from the kept answer: nothing joined), the rest goes
+    to `slow(i, pod, done)`, which queues its answer and appends its record. For each hit `done`
+    gets a tuple that `records` turns into its QueryRecord once the batch is sent, and that keeps
+    the answer's bytes alive until then. The same answers as `cached_reply`, query by query
+    (tests/kernel/test_dns_mmsg.py); the hot loop, so what it calls is bound to locals."""
+    data, lengths, at, step, addrs = (
+        batcher.data, batcher.lengths, batcher.len_at, batcher.len_step, batcher.addrs
+    )  # fmt: skip
+    queue_reply, memo, peek, touch, append = (
+        batcher.queue_reply, _hot, cache.peek, cache.touch, done.append
+    )  # fmt: skip
+    pods: dict[int, PodDns | None] = {}  # a source's pod, looked up once per batch
+    slot = _dnsmmsg.SLOT
+    for i in range(count):
+        start = i * slot
+        addr = addrs[4 * i + 1]
+        pod = pods.get(addr, _UNKNOWN)
+        if pod is _UNKNOWN:
+            pod = pods[addr] = pod_of(batcher.source(addr))
+        hot = memo.get(data[start + 2 : start + lengths[at + i * step]], _UNSEEN)
+        if hot is _UNSEEN:
+            hot = _learn(data[start : start + lengths[at + i * step]])
+        if hot is None or pod is None:
+            slow(i, pod, done)
+            continue
+        upstreams = pod.upstreams or default_upstreams
+        if hot.upstreams is not upstreams:
+            _bind(hot, upstreams)
+        entry = peek(hot.key)
+        if (
+            entry is not None
+            and entry is hot.entry
+            and int(now - entry.stored) == hot.aged_for
+            and now >= entry.stored
+            and hot.size <= hot.limit
+        ):
+            touch(hot.key)  # what _refresh would find: the answer made is still the one
+        elif (entry := _refresh(hot, cache, now, hot.limit)) is None:
+            slow(i, pod, done)
+            continue
+        if not hot.pointer:
+            hot.pointer, hot.pin = _dnsmmsg.pin(hot.tail)
+        queue_reply(i, hot.pointer, hot.size - 2)
+        append((hot, entry, hot.pin, pod.pod_id, addr))
+
+
+def records(
+    done: list[Any], now: float, source: Callable[[int], str]
+) -> tuple[list[QueryRecord], int]:
+    """The records of a batch from what `answer_batch` and its slow path left in `done`, in
+    the order of the queries; and how many of them the hot path answered."""
+    out: list[QueryRecord] = []
+    append, hits = out.append, 0
+    for item in done:
+        if item.__class__ is tuple:
+            hot, entry, _, pod_id, addr = item
+            hits += 1
+            item = QueryRecord(
+                now,
+                source(addr),
+                pod_id,
+                hot.text,
+                hot.qtype_class >> 16,
+                entry.rcode,
+                entry.answers,
+                entry.upstream,
+                "udp",
+                True,
+            )
+        append(item)
+    return out, hits
+
+
+def _learn(data: bytes) -> _Hot | None:
+    """The hot item of a query not seen lately (kept if the query is short), or None."""
+    scan = _scan(data)
+    hot = None if scan is None else _Hot(*scan)
+    if len(data) <= _SCANNED_AT_MOST:
+        if len(_hot) >= _HOT_KEPT:
+            _hot.clear()
+        _hot[data[2:]] = hot
+    return hot
+
+
+def _bind(hot: _Hot, upstreams: tuple[Address, ...]) -> None:
+    """The key for these upstreams (pods with the same upstreams share the tuple)."""
+    hot.upstreams = upstreams
+    hot.key = (upstreams_text(upstreams), hot.lower, hot.qtype_class, hot.bits)
+    hot.entry = None
+
+
+def _refresh(hot: _Hot, cache: AnswerCache, now: float, limit: int) -> _Entry | None:
+    """The cache's entry for the hot item's key now, and its answer made for the item's
+    spelling if the entry or its age changed; None where the cache has no answer."""
+    global _tail_bytes
+    entry = cache.fresh(hot.key, now, limit)
+    if entry is None:
+        return None
+    if entry is not hot.entry or entry.aged_for != hot.aged_for:
+        aged, n = entry.aged, len(hot.spelled)
+        hot.tail = aged[2:12] + hot.spelled + aged[12 + n :]
+        hot.entry, hot.aged_for, hot.size, hot.pointer, hot.pin = (
+            entry, entry.aged_for, len(aged), 0, None
+        )  # fmt: skip
+        _tail_bytes += hot.size
+        if _tail_bytes > _TAILS_AT_MOST:
+            _tail_bytes = 0
+            _hot.clear()  # a bound on what answers the kept queries hold: made again as needed
+    return entry
+
+
+def _record(
+    hot: _Hot, entry: _Entry, now: float, source: str, pod_id: str, transport: Transport
+) -> QueryRecord:
+    return QueryRecord(
         now,
         source,
-        pod.pod_id,
-        text,
-        qtype_class >> 16,
+        pod_id,
+        hot.text,
+        hot.qtype_class >> 16,
         entry.rcode,
         entry.answers,
         entry.upstream,
         transport,
-        cached=True,
+        True,
     )
-    return wire, record
 
 
-def _scan(data: bytes) -> Scan | None:
+def _scan(data: bytes) -> tuple[int, int, int, bytes, str] | None:
     """What the fast path needs of a query, or None if the query is not one it answers."""
     if not 17 <= len(data) <= MAX_MESSAGE or data[2] & 0xF8:  # QR, opcode
         return None
@@ -108,7 +271,7 @@ def _scan(data: bytes) -> Scan | None:
     elif counts != _ONE_QUESTION:
         return None
     name = data[12:end]
-    return end, qtype_class, limit, bits, name.lower(), _name_text(name)
+    return limit, qtype_class, bits, name, _name_text(name)
 
 
 def _name_end(data: bytes) -> int:

@@ -65,79 +65,83 @@ def open_batcher(sock: socket.socket, batch: int = 64) -> Batcher | None:
 
 
 class Batcher:
-    """Datagrams in by the batch (`receive`), answers out by the batch (`queue`, `flush`)."""
+    """Datagrams in by the batch (`read`/`receive`), answers out by the batch (`queue`,
+    `queue_reply`, `flush`).
+
+    Each answer goes out as two iovecs: an answer of the cache's (`queue_reply`) is the 2-byte
+    ID of its query, where recvmmsg put it, and the kept bytes after the ID, where they are:
+    nothing is copied or joined in Python. Any other answer (`queue`) is copied to a slot of its
+    own. The attributes named in `read`'s docstring are the hot loop's (_dnsfast.answer_batch)."""
 
     def __init__(self, sock: socket.socket, batch: int) -> None:
         ffi = _ffi
+        self.size = batch
         self._fd = sock.fileno()
-        self._n = batch
         self._keep: list[Any] = []  # cffi's memory lives as long as its cdata objects
-        self._rmsgs, self._rview, rbufs = self._vectors(batch)
-        self._smsgs, self._sview, sbufs = self._vectors(batch)
-        self._names = self._new("char[]", batch * NAME)
-        self._data = ffi.buffer(rbufs)
+        self._rmsgs, rbufs = self._new("struct mmsghdr[]", batch), self._new("char[]", batch * SLOT)
+        self._smsgs, sbufs = self._new("struct mmsghdr[]", batch), self._new("char[]", batch * SLOT)
+        riov, siov = self._new("struct iovec[]", batch), self._new("struct iovec[]", 2 * batch)
+        names = self._new("char[]", batch * NAME)
+        self._names = names
+        for i in range(batch):
+            riov[i].iov_base, riov[i].iov_len = rbufs + i * SLOT, SLOT
+            self._rmsgs[i].msg_hdr.msg_iov, self._rmsgs[i].msg_hdr.msg_iovlen = riov + i, 1
+            self._rmsgs[i].msg_hdr.msg_name = names + i * NAME
+            self._rmsgs[i].msg_hdr.msg_namelen = NAME
+            self._smsgs[i].msg_hdr.msg_iov, self._smsgs[i].msg_hdr.msg_iovlen = siov + 2 * i, 2
+            self._smsgs[i].msg_hdr.msg_namelen = NAME
+        self.data = ffi.buffer(rbufs)  # datagram i at i * SLOT: slices of it are bytes
         self._out = memoryview(ffi.buffer(sbufs)).cast("B")
-        self._addrs = memoryview(ffi.buffer(self._names)).cast("I")  # sin_addr at index 1
+        self.addrs = memoryview(ffi.buffer(names)).cast("I")  # datagram i's sin_addr: 4 * i + 1
         size = ffi.sizeof("struct mmsghdr")  # 64 on LP64, which load() checked
+        self.len_step = size // 4  # datagram i's length: lengths[len_at + i * len_step]
+        self.len_at = ffi.offsetof("struct mmsghdr", "msg_len") // 4
+        self.lengths = memoryview(ffi.buffer(self._rmsgs)).cast("I")
         self._step = size // 8  # mmsghdrs in 8-byte words
-        self._len_at = ffi.offsetof("struct mmsghdr", "msg_len") // 4
-        self._len_step = size // 4
-        self._lengths = memoryview(ffi.buffer(self._rmsgs)).cast("I")
         self._headers = memoryview(ffi.buffer(self._smsgs)).cast("Q")
-        self._name_ptrs = [int(ffi.cast("uintptr_t", self._names + i * NAME)) for i in range(batch)]
+        self._iov = memoryview(ffi.buffer(siov)).cast("Q")  # message k: words 4k to 4k + 3
+        self._name_ptrs = [_address(names + i * NAME) for i in range(batch)]
+        self._rptrs = [_address(rbufs + i * SLOT) for i in range(batch)]
+        self._sptrs = [_address(sbufs + i * SLOT) for i in range(batch)]
         self._sources: dict[int, str] = {}
         self._queued = self._unsendable = 0
-        for i in range(batch):
-            self._rmsgs[i].msg_hdr.msg_name = self._names + i * NAME
-            self._rmsgs[i].msg_hdr.msg_namelen = NAME
-            self._smsgs[i].msg_hdr.msg_namelen = NAME
 
     def _new(self, ctype: str, n: int) -> Any:
         cdata = _ffi.new(ctype, n)
         self._keep.append(cdata)
         return cdata
 
-    def _vectors(self, n: int) -> tuple[Any, memoryview, Any]:
-        """n mmsghdrs, each with one iovec on a slot of its own; a view of the headers in words."""
-        msgs = self._new("struct mmsghdr[]", n)
-        iov = self._new("struct iovec[]", n)
-        bufs = self._new("char[]", n * SLOT)
-        for i in range(n):
-            iov[i].iov_base = bufs + i * SLOT
-            iov[i].iov_len = SLOT
-            msgs[i].msg_hdr.msg_iov = iov + i
-            msgs[i].msg_hdr.msg_iovlen = 1
-        return msgs, memoryview(_ffi.buffer(iov)).cast("Q"), bufs
+    def read(self) -> int:
+        """Read what waits in the socket, up to a batch; how many datagrams (0: none waits).
+        Datagram i is data[i * SLOT : i * SLOT + lengths[len_at + i * len_step]], from the
+        address addrs[4 * i + 1] (as the kernel wrote it; `source(addr)` as text)."""
+        for _ in range(self.size):
+            got: int = _lib.recvmmsg(self._fd, self._rmsgs, self.size, MSG_DONTWAIT, _ffi.NULL)
+            if got >= 0:
+                return got
+            if _ffi.errno in _AGAIN:
+                return 0
+            # else an ICMP error queued on the socket: nothing to answer, read on
+        return 0
 
     def receive(self) -> list[tuple[bytes, str]]:
-        """What waits in the socket, up to a batch: each datagram and its source's address; its
-        index in the list is the one to `queue` its answer at. Empty once nothing waits."""
-        for _ in range(self._n):
-            got = _lib.recvmmsg(self._fd, self._rmsgs, self._n, MSG_DONTWAIT, _ffi.NULL)
-            if got >= 0:
-                break
-            if _ffi.errno in _AGAIN:
-                return []
-            # else an ICMP error queued on the socket: nothing to answer, read on
-        else:
-            return []
-        lengths, at, step = self._lengths, self._len_at, self._len_step
-        addrs, sources, data = self._addrs, self._sources, self._data
-        out = []
-        for i in range(got):
-            addr = addrs[i * 4 + 1]
-            source = sources.get(addr)
-            if source is None:
-                source = self._source(addr)
-            start = i * SLOT
-            out.append((data[start : start + lengths[at + i * step]], source))
-        return out
+        """`read`, as a list of each datagram and its source's address; its index in the list is
+        the one to `queue` its answer at. Empty once nothing waits."""
+        return [(self.datagram(i), self.source(self.addrs[4 * i + 1])) for i in range(self.read())]
 
-    def _source(self, addr: int) -> str:
-        text = socket.inet_ntoa(struct.pack("=I", addr))
-        if len(self._sources) >= 4096:
-            self._sources.clear()
-        self._sources[addr] = text
+    def datagram(self, i: int) -> bytes:
+        start = i * SLOT
+        data: bytes = self.data[start : start + self.lengths[self.len_at + i * self.len_step]]
+        return data
+
+    def source(self, addr: int) -> str:
+        """An address as `addrs` holds it, as text (kept: a pod sends many queries)."""
+        text = self._sources.get(addr)
+        if text is None:
+            text = socket.inet_ntoa(struct.pack("=I", addr))
+            if len(self._sources) >= 4096:
+                self._sources.clear()
+            self._sources[addr] = text
         return text
 
     def peer(self, i: int) -> tuple[str, int]:
@@ -152,8 +156,19 @@ class Batcher:
             self._unsendable += 1  # more than UDP carries: nothing a UDP answer is fitted to
             return
         self._out[k * SLOT : k * SLOT + len(wire)] = wire
-        self._sview[2 * k + 1] = len(wire)  # the iovec's length
+        iov = self._iov
+        iov[4 * k], iov[4 * k + 1], iov[4 * k + 3] = self._sptrs[k], len(wire), 0
         self._headers[k * self._step] = self._name_ptrs[i]  # msg_name, the header's first word
+        self._queued = k + 1
+
+    def queue_reply(self, i: int, pointer: int, length: int) -> None:
+        """Send datagram i's first 2 bytes (its ID) and `length` bytes at `pointer` back to where
+        it came from, at the next flush. The caller keeps those bytes alive until then."""
+        k = self._queued
+        iov = self._iov
+        iov[4 * k], iov[4 * k + 1] = self._rptrs[i], 2
+        iov[4 * k + 2], iov[4 * k + 3] = pointer, length
+        self._headers[k * self._step] = self._name_ptrs[i]
         self._queued = k + 1
 
     def flush(self) -> int:
@@ -169,3 +184,14 @@ class Batcher:
             else:
                 failed, sent = failed + 1, sent + 1  # this one refused: the rest go on
         return failed
+
+
+def pin(data: bytes) -> tuple[int, Any]:
+    """The address of a bytes object's contents, for `queue_reply`, and the cdata that keeps it
+    (CPython never moves an object; the bytes live as long as the cdata)."""
+    cdata = _ffi.from_buffer(data)
+    return _address(cdata), cdata
+
+
+def _address(cdata: Any) -> int:
+    return int(_ffi.cast("uintptr_t", cdata))

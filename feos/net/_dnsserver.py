@@ -21,13 +21,14 @@ import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import attrs
 import trio
 
 from . import _dnsresolver as r
 from ._dnscache import AnswerCache, cache_key
-from ._dnsfast import cached_reply, slow_cached_reply
+from ._dnsfast import answer_batch, cached_reply, records, slow_cached_reply
 from ._dnsmmsg import Batcher, open_batcher
 from ._dnsmmsg import load as load_batching
 from ._dnsupstream import DEFAULT_UPSTREAMS
@@ -41,7 +42,7 @@ MAX_INFLIGHT = 4096
 UDP_BATCH = 64
 ADDRESSES_KEPT = 4096
 
-_UNKNOWN = r.PodDns("")  # a source not looked up yet in this batch
+_UNKNOWN = r.PodDns("")  # a source not looked up yet in this batch (_udp_batch)
 
 SocketFactory = Callable[[int, int], socket.socket]
 Send = Callable[[bytes], Awaitable[None]]
@@ -76,6 +77,7 @@ class DnsServer:
         pod_for: Callable[[ipaddress.IPv4Address], r.PodDns | None],
         name_tables: Callable[[], Mapping[str, NameTable]],
         on_record: Callable[[r.QueryRecord], None],
+        on_records: Callable[[list[r.QueryRecord]], None] | None = None,
         default_upstreams: tuple[Address, ...] = DEFAULT_UPSTREAMS,
         upstream_timeout: float = 2.0,
         upstream_port: int = 53,
@@ -87,6 +89,7 @@ class DnsServer:
         self._pod_for = pod_for
         self._name_tables = name_tables
         self._on_record = on_record
+        self._on_records = on_records  # a batch's records in one call, where given
         self._defaults = default_upstreams
         self._timeout = upstream_timeout
         self._port = upstream_port
@@ -118,53 +121,63 @@ class DnsServer:
     async def _udp_loop(self, sock: socket.socket, nursery: trio.Nursery, batching: bool) -> None:
         # The stdlib socket, non-blocking, read until it is empty (or UDP_BATCH) per wake: trio's
         # socket methods cost a checkpoint per call, which would be most of a cached answer's
-        # time. wait_readable is the one checkpoint per batch.
+        # time. wait_readable is the one checkpoint per batch; after a full batch more is likely
+        # waiting, so the loop only yields to trio's other tasks and reads again.
         sock.setblocking(False)
         batcher = open_batcher(sock, UDP_BATCH) if batching else None
         while True:
             await trio.lowlevel.wait_readable(sock)
-            if batcher is None:
+            while (
                 self._udp_batch(sock, nursery)
-            else:
-                self._udp_mmsg(batcher, sock, nursery)
+                if batcher is None
+                else self._udp_mmsg(batcher, sock, nursery)
+            ) >= UDP_BATCH:
+                await trio.lowlevel.checkpoint()
 
-    def _udp_mmsg(self, batcher: Batcher, sock: socket.socket, nursery: trio.Nursery) -> None:
-        """_udp_batch with one system call to read the batch and one to send its answers."""
-        now, counters, datagrams = time.time(), self.counters, batcher.receive()
-        records: list[r.QueryRecord] = []
-        pods: dict[str, r.PodDns | None] = {}
-        queue, append, cache, defaults = batcher.queue, records.append, self._cache, self._defaults
-        hits = 0
+    def _udp_mmsg(self, batcher: Batcher, sock: socket.socket, nursery: trio.Nursery) -> int:
+        """_udp_batch with one system call to read the batch and one to send its answers, the
+        cache's answers made without a Python object but their records (_dnsfast.answer_batch)."""
+        count = batcher.read()
+        if not count:
+            return 0
+        now, counters, cache = time.time(), self.counters, self._cache
+        done: list[Any] = []
+
+        def slow(i: int, pod: r.PodDns | None, done: list[Any]) -> None:
+            answer = self._udp_slow(batcher.datagram(i), batcher.peer(i), pod, now, sock, nursery)
+            if answer is not None:
+                batcher.queue(i, answer[0])
+                done.append(answer[1])
+
         try:
-            for i, (data, source) in enumerate(datagrams):
-                pod = pods.get(source, _UNKNOWN)
-                if pod is _UNKNOWN:
-                    pod = pods[source] = self._pod_of(source)
-                answer = (
-                    None if cache is None else cached_reply(data, source, pod, defaults, cache, now)
-                )
-                if answer is not None:
-                    hits += 1
-                elif (
-                    answer := self._udp_slow(data, batcher.peer(i), pod, now, sock, nursery)
-                ) is None:
-                    continue
-                queue(i, answer[0])
-                append(answer[1])
+            if cache is None:
+                for i in range(count):
+                    slow(i, self._pod_of(batcher.source(batcher.addrs[4 * i + 1])), done)
+            else:
+                answer_batch(batcher, count, now, self._pod_of, self._defaults, cache, slow, done)
         finally:
-            counters.udp_queries += len(datagrams)
-            counters.cache_hits += hits
+            counters.udp_queries += count
             counters.send_errors += batcher.flush()
-            for record in records:
-                self._on_record(record)
+            made, hits = records(done, now, batcher.source)
+            counters.cache_hits += hits
+            self._hand_off(made)
+        return count
 
-    def _udp_batch(self, sock: socket.socket, nursery: trio.Nursery) -> None:
+    def _hand_off(self, made: list[r.QueryRecord]) -> None:
+        if self._on_records is not None:
+            self._on_records(made)
+        else:
+            on_record = self._on_record
+            for record in made:
+                on_record(record)
+
+    def _udp_batch(self, sock: socket.socket, nursery: trio.Nursery) -> int:
         """Answer what waits in the socket, each at once; the records go out after the batch.
         The hot loop: what it calls once per query is bound to locals first."""
         now, counters = time.time(), self.counters
-        records: list[r.QueryRecord] = []
+        made: list[r.QueryRecord] = []
         pods: dict[str, r.PodDns | None] = {}  # a source's pod, looked up once per batch
-        recvfrom, sendto, append = sock.recvfrom, sock.sendto, records.append
+        recvfrom, sendto, append = sock.recvfrom, sock.sendto, made.append
         cache, defaults = self._cache, self._defaults
         queries = hits = 0
         try:
@@ -195,8 +208,8 @@ class DnsServer:
         finally:
             counters.udp_queries += queries
             counters.cache_hits += hits
-            for record in records:
-                self._on_record(record)
+            self._hand_off(made)
+        return queries
 
     def _udp_slow(
         self,
