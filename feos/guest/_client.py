@@ -303,14 +303,12 @@ class GuestClient:
 
     def __init__(self, hello: Hello) -> None:
         self.boot_id, self.session = hello.fields
-        self.next_hello: Hello | None = None  # the agent's hello that ended this session
         self.attached: asyncio.Future[Attached] = asyncio.get_running_loop().create_future()
         self._link: Link | None = None
         self._server: Any = None
         self._stream: Any = None
         self._guest: Any = None
         self._pump: asyncio.Future[Any] | None = None
-        self._pump_of: Pump | None = None
         self.ended = asyncio.Event()
 
     # Connecting -----------------------------------------------------------------------------
@@ -376,7 +374,6 @@ class GuestClient:
     async def _rpc(self, link: Link, pump: Pump) -> None:
         ours, theirs = socket.socketpair()
         self._link = link
-        self._pump_of = pump
         self._stream = await capnp.AsyncIoStream.create_connection(sock=ours)
         self._server = capnp.TwoPartyServer(self._stream, bootstrap=_NodeServer(self._attached))
         self._guest = self._server.bootstrap().cast_as(guest.GuestService)
@@ -389,9 +386,7 @@ class GuestClient:
 
     def _end(self) -> None:
         if self._pump is not None and self._pump.done() and not self._pump.cancelled():
-            if self._pump.exception() is None:  # an EOFError of a link that closed: the end
-                result = self._pump.result()
-                self.next_hello = result if isinstance(result, Hello) else None
+            self._pump.exception()  # EOFError of a link that closed: that is the end
         self.ended.set()
 
     # Across a suspend --------------------------------------------------------------------
@@ -419,17 +414,6 @@ class GuestClient:
     async def unpark(self) -> None:
         if isinstance(self._link, SwapLink):
             self._link.unpark()
-
-    async def follow(self) -> GuestClient | None:
-        """The session the agent began with the hello that ended this one, on the same link;
-        None when this one ended otherwise (then close it and dial again)."""
-        if self.next_hello is None or self._link is None or self._pump_of is None:
-            return None
-        link, pump, self._link = self._link, self._pump_of, None
-        client = GuestClient(self.next_hello)
-        await client._rpc(link, pump)
-        await self.close()
-        return client
 
     async def close(self) -> None:
         if self._pump is not None:

@@ -130,10 +130,12 @@ class Driver(Protocol):
         ...
 
     async def resume(self, vm: VmHandle, *, within: float,
-                     rejoin: Callable[[], Awaitable[bool]] | None = None) -> None:  # fmt: skip
+                     rejoin: Callable[[], Awaitable[bool]] | None = None,
+                     running: Callable[[], None] | None = None) -> None:  # fmt: skip
         """Load the snapshot, run the vCPUs, remove the snapshot. `rejoin`, where the driver
         can, runs between the load and the vCPUs' start: the guest link's session dials the
-        new VMM then (True), and the driver waits until the VMM took the connection."""
+        new VMM then (True), and the driver waits until the VMM took the connection.
+        `running` is called as soon as the vCPUs run (before the snapshot is removed)."""
         ...
 
     async def delete(self, vm: VmHandle) -> None:

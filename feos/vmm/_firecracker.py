@@ -364,7 +364,8 @@ class FirecrackerDriver:
         (self.directory(vm.id) / _jail.LATE_MARKER).unlink(missing_ok=True)
 
     async def resume(self, vm: VmHandle, *, within: float,
-                     rejoin: Callable[[], Awaitable[bool]] | None = None) -> None:  # fmt: skip
+                     rejoin: Callable[[], Awaitable[bool]] | None = None,
+                     running: Callable[[], None] | None = None) -> None:  # fmt: skip
         # The guest dials the node over vsock: no session is carried across (rejoin unused).
         record = await trio.to_thread.run_sync(self._record, vm.id)
         install = await trio.to_thread.run_sync(_jail.find, record.version)
@@ -378,6 +379,8 @@ class FirecrackerDriver:
         except FeosError:
             await self._kill(vm.id)  # the snapshot stays for another try
             raise
+        if running is not None:
+            running()
         await trio.to_thread.run_sync(self._fresh_snapshot_dir, vm.id)
 
     # -- delete, adopt, state --------------------------------------------------------------------

@@ -313,24 +313,15 @@ class GuestLink:
             backoff = BACKOFF_MIN_S
             try:
                 await self._serve(client)
-                after = await self._follow(client)
             finally:
                 self._set_client(None)
                 self._parked = self._rejoined = self._drop = self._suspending = False
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     await self.call(client.close)
-            client = after  # the agent's new session on the same link, or None: dial again
-
-    async def _follow(self, client: Any) -> Any:
-        """The agent's next session on the same connection, when a hello ended this one."""
-        follow = getattr(client, "follow", None)
-        if follow is None:
-            return None
-        try:
-            return await self.call(follow)
-        except Exception as exc:  # any failure: dial again, as after a session without a hello
-            log.info("guest of %s: the agent's new session did not start: %s", self.vm_id, exc)
-            return None
+            # A new hello from the agent is not taken up on the same connection: what the
+            # node's old session still sent would reach the agent's new one. A new dial makes
+            # the port drop all of that (the agent reads EOF), then the new session starts.
+            client = None
 
     async def _back_off(self, backoff: float) -> float:
         with trio.move_on_after(backoff):

@@ -373,7 +373,8 @@ class QemuDriver:
         await trio.to_thread.run_sync(_discard_snapshot, vm.directory)
 
     async def resume(self, vm: VmHandle, *, within: float,
-                     rejoin: Callable[[], Awaitable[bool]] | None = None) -> None:  # fmt: skip
+                     rejoin: Callable[[], Awaitable[bool]] | None = None,
+                     running: Callable[[], None] | None = None) -> None:  # fmt: skip
         memory = vm.directory / "snapshot" / SNAPSHOT_FILE
         if not memory.exists():
             raise FeosError(Code.FAILED_PRECONDITION, f"microVM {vm.id} has no snapshot")
@@ -401,6 +402,8 @@ class QemuDriver:
                          LINK_WITHIN_S)  # fmt: skip
         rejoined = time.monotonic()
         await live.qmp.execute("cont")
+        if running is not None:
+            running()  # the guest's ping need not wait for the snapshot's removal
         await trio.to_thread.run_sync(_discard_snapshot, vm.directory)
         log.debug("microVM %s resumed: loaded %.1f ms, link %.1f ms, cont and discard %.1f ms",
                   vm.id, 1000 * (loaded - began), 1000 * (rejoined - loaded),

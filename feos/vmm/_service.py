@@ -403,15 +403,24 @@ class MicroVms:
             assert vm.link is not None
             pinged = vm.link.resuming()
             sessions = vm.link.sessions
+            ran: list[float] = []
+
+            def running() -> None:
+                # The guest runs: the link pings it (through the session kept across the
+                # suspend when it rejoined) while the driver and the service finish beside it.
+                ran.append(time.monotonic())
+                assert vm.link is not None
+                vm.link.kick()
+
             try:
-                await self._driver.resume(vm.handle, within=BOOT_S, rejoin=vm.link.rejoin)
+                await self._driver.resume(vm.handle, within=BOOT_S, rejoin=vm.link.rejoin,
+                                          running=running)  # fmt: skip
             except BaseException:
-                vm.link.drop()  # a session that rejoined a VMM that never ran is not kept
+                if not ran:
+                    vm.link.drop()  # a session that rejoined a VMM that never ran is not kept
                 raise
-            # The guest runs: the link pings it (through the session kept across the suspend
-            # when it rejoined) while the VM's cgroup and record are done beside it.
-            vm.link.kick()
-            running = time.monotonic()
+            if not ran:  # a driver that did not say when it ran
+                running()
             await self._join_cgroup(vm)
             await self._record(vm, VmState.RUNNING, "")
             self._watch(vm)
@@ -422,7 +431,7 @@ class MicroVms:
                             "%gs", vm_id, RESUME_PING_S)  # fmt: skip
             else:
                 log.debug("microVM %s: the resumed guest answered its ping %.1f ms after it "
-                          "ran (session %s)", vm_id, 1000 * (time.monotonic() - running),
+                          "ran (session %s)", vm_id, 1000 * (time.monotonic() - ran[0]),
                           "kept" if vm.link.sessions == sessions else "new")  # fmt: skip
         return self._info(vm)
 

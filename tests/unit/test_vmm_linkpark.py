@@ -236,9 +236,6 @@ class _Client:
         if self.vmm_gone:
             self.ended.set()
 
-    async def follow(self) -> None:
-        return None
-
     async def close(self) -> None:
         self.ended.set()
 
@@ -424,37 +421,6 @@ def test_a_real_agents_session_goes_on_over_the_next_vmms_connection(tmp_path: P
     try:
         asyncio.run(capnp.run(main()))
         assert agent.output().count("hello sent") == 1, agent.output()  # one session only
-    finally:
-        agent.close()
-        guest_side.close()
-
-
-def test_a_new_hello_is_followed_on_the_same_connection(tmp_path: Path) -> None:
-    import capnp
-
-    from feos.guest._client import GuestClient
-
-    agent, guest_side = _agent(tmp_path)
-
-    async def main() -> None:
-        node, vmm = _pair()
-        relay = asyncio.ensure_future(_relay(guest_side, vmm))
-        client = await GuestClient._start(SwapLink(node))
-        await client.ping()
-        await client._link.send(node_poke("again"))  # type: ignore[union-attr]
-        await asyncio.wait_for(client.ended.wait(), 10)
-        assert client.next_hello is not None
-        nxt = await client.follow()
-        assert nxt is not None and nxt.session != client.session
-        assert (await nxt.ping()).boot_id == nxt.boot_id
-        await nxt.close()
-        relay.cancel()
-        await asyncio.gather(relay, return_exceptions=True)
-        vmm.close()
-
-    try:
-        asyncio.run(capnp.run(main()))
-        assert agent.output().count("hello sent") == 2, agent.output()
     finally:
         agent.close()
         guest_side.close()
