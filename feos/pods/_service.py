@@ -36,7 +36,7 @@ from ..records import RecordDir
 from ..rpc._server import Cap
 from ..vmm._driver import VmSpec, VmState
 from . import _lifecycle as lc
-from ._disks import ensure_pod_disk, ensure_volume_disk, remove_pod_disk
+from ._disks import ensure_pod_disk, ensure_volume_disk, pod_disk, remove_pod_disk
 from ._events import EventHub
 from ._network import PodNet, PodNetworkService
 from ._spec import PodSpec, check_pod_id, parse_spec
@@ -174,7 +174,8 @@ class PodService:
         """Let go of volumes whose pod is gone; claim those of kept pods that name no pod."""
         for volume in list(self._volumes.store):
             if volume.pod_id and volume.pod_id not in self._pods:
-                log.warning("volume %s: its pod %s is gone; it is available", volume.id, volume.pod_id)
+                log.warning("volume %s: its pod %s is gone; it is available", volume.id,
+                            volume.pod_id)
                 await self._volumes.release(volume.pod_id)
         for pod in self._pods.values():
             try:
@@ -207,7 +208,8 @@ class PodService:
                 continue
             kind = type(event).__name__
             if kind in ("Crashed", "Stopped", "Suspended"):
-                self._nursery.start_soon(self._vm_did, pod, kind.lower(), getattr(event, "reason", ""))  # type: ignore[union-attr]
+                reason = getattr(event, "reason", "")
+                self._nursery.start_soon(self._vm_did, pod, kind.lower(), reason)  # type: ignore[union-attr]
 
     async def _vm_did(self, pod: _Pod, what: str, reason: str) -> None:
         async with pod.lock:
@@ -306,7 +308,8 @@ class PodService:
                             f"pods with a network cannot be made: {self._network_reason}")
         reason = self._network.unavailable()
         if reason is not None:
-            raise FeosError(Code.FAILED_PRECONDITION, f"pods with a network cannot be made: {reason}")
+            raise FeosError(Code.FAILED_PRECONDITION,
+                            f"pods with a network cannot be made: {reason}")
 
     def _check_named(self, pod: _Pod) -> None:
         """A pod whose groups or name tables the node lacks does not boot or resume."""
@@ -369,6 +372,10 @@ class PodService:
         token, pod.pull_token = pod.pull_token, ""
         self._check_named(pod)
         await self._step(pod, "disk")
+        # A disk made by this bring-up holds no containers: no listContainers to ask (a guest
+        # call, one of three on the containers' path). A bring-up cut off after the disk was
+        # made finds it there next time and asks.
+        fresh = not pod_disk(self.state_dir, pod.id).exists()
         vm_spec = await self._prepare(pod)
         await self._step(pod, "vm")
         info = await self._ensure_vm(pod, vm_spec)
@@ -379,7 +386,7 @@ class PodService:
         await self._step(pod, "volumes")
         await self._mount_volumes(pod, guest)
         await self._step(pod, "containers")
-        await self._start_containers(pod, guest, token)
+        await self._start_containers(pod, guest, token, fresh=fresh)
         await self._set(pod, lc.RUNNING)
 
     async def _prepare(self, pod: _Pod) -> VmSpec:
@@ -436,7 +443,8 @@ class PodService:
             if info.state in (VmState.CRASHED, VmState.STOPPED):
                 raise FeosError(Code.UNAVAILABLE, f"the microVM {info.state.value}: {info.reason}")
             try:
-                return await self._vms.guest(pod.id, within=min(5.0, deadline - trio.current_time()))
+                within = min(5.0, deadline - trio.current_time())
+                return await self._vms.guest(pod.id, within=within)
             except FeosError as exc:
                 last = exc
         raise FeosError(Code.DEADLINE_EXCEEDED, f"the guest did not attach within "
@@ -464,10 +472,11 @@ class PodService:
         if failed:
             raise FeosError(Code.FAILED_PRECONDITION, "volumes not mounted: " + "; ".join(failed))
 
-    async def _start_containers(self, pod: _Pod, guest: Any, token: str) -> None:
+    async def _start_containers(self, pod: _Pod, guest: Any, token: str, *,
+                                fresh: bool = False) -> None:
         from ..guest._client import ContainerConfig, VolumeMount
 
-        have = {c.name: c for c in await guest.list_containers()}
+        have = {} if fresh else {c.name: c for c in await guest.list_containers()}
         for container in pod.spec.containers:
             found = have.get(container.name)
             if found is not None and found.status == "running":
@@ -482,7 +491,8 @@ class PodService:
                 try:
                     await guest.create_container(config)
                 except FeosError as exc:
-                    raise FeosError(exc.code, f"container {container.name}: {exc.message}") from None
+                    raise FeosError(exc.code,
+                                    f"container {container.name}: {exc.message}") from None
             try:
                 await guest.start_container(container.name)
             except FeosError as exc:
