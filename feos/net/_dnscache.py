@@ -21,7 +21,7 @@ from . import _dnsmsg as m
 from ._dnsresolver import Forward
 from ._nametable import Address
 
-Key = tuple[object, ...]
+Key = bytes  # a bytes object keeps its hash: a lookup of a key made once costs no hashing
 
 # Bits of a key beside RD (0x0100) and CD (0x0010), the header flags that change an answer.
 KEY_DO = 0x0001  # the query's OPT asks for DNSSEC records
@@ -51,16 +51,16 @@ class Hit:
 
 
 _UPSTREAM_TEXTS_KEPT = 1024
-upstream_texts: dict[int, tuple[tuple[Address, ...], str]] = {}  # by id, the tuple held
+upstream_texts: dict[int, tuple[tuple[Address, ...], bytes]] = {}  # by id, the tuple held
 
 
-def upstreams_text(upstreams: tuple[Address, ...]) -> str:
-    """The upstreams as one string, for keys: an address's hash is Python code, run on every
+def upstreams_text(upstreams: tuple[Address, ...]) -> bytes:
+    """The upstreams as the start of a key: an address's hash is Python code, run on every
     lookup, a string's is computed once. Kept per tuple, which the pods' records share."""
     known = upstream_texts.get(id(upstreams))
     if known is not None and known[0] is upstreams:
         return known[1]
-    text = " ".join(map(str, upstreams))
+    text = " ".join(map(str, upstreams)).encode() + b"|"
     if len(upstream_texts) >= _UPSTREAM_TEXTS_KEPT:
         upstream_texts.clear()
     upstream_texts[id(upstreams)] = (upstreams, text)
@@ -69,8 +69,10 @@ def upstreams_text(upstreams: tuple[Address, ...]) -> str:
 
 def make_key(upstreams: tuple[Address, ...], name: bytes, qtype_class: int, bits: int) -> Key:
     """`name`: the question's name in wire form (uncompressed, root included) in lower case;
-    `qtype_class`: qtype << 16 | qclass; `bits`: the query's RD and CD, KEY_DO, KEY_EDNS."""
-    return (upstreams_text(upstreams), name, qtype_class, bits)
+    `qtype_class`: qtype << 16 | qclass; `bits`: the query's RD and CD, KEY_DO, KEY_EDNS. One
+    bytes object: the upstreams' text ends at its "|", which no address holds, and the name at
+    its root label, the fixed 6 bytes after it."""
+    return upstreams_text(upstreams) + name + (qtype_class << 16 | bits).to_bytes(6, "big")
 
 
 def cache_key(fwd: Forward) -> Key:

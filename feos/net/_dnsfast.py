@@ -25,7 +25,7 @@ from ._dnscache import (
     Key,
     _Entry,
     cache_key,
-    upstreams_text,
+    make_key,
 )
 from ._dnsmsg import MAX_MESSAGE, name_text
 from ._dnsresolver import Forward, PodDns, QueryRecord, Reply, Transport
@@ -54,12 +54,14 @@ class _Hot:
         "pin",
         "pointer",
         "qtype_class",
+        "since",
         "size",
         "spelled",
         "tail",
         "text",
+        "until",
         "upstreams",
-    )  # fmt: skip
+    )
 
     def __init__(self, limit: int, qtype_class: int, bits: int, spelled: bytes, text: str) -> None:
         self.limit = limit  # the most the client takes over UDP
@@ -69,13 +71,18 @@ class _Hot:
         self.spelled = spelled  # ... and as the client spelled it
         self.text = text  # ... as records give it
         self.upstreams: tuple[Address, ...] | None = None
-        self.key: Key = ()
+        self.key: Key = b""
         self.entry: _Entry | None = None
         self.aged_for = -1
         self.tail = b""  # the answer after its ID: entry.aged with the client's spelling
         self.size = 0  # the whole answer's length, its ID included
         self.pointer = 0  # where tail's bytes are, for sendmmsg (0: not pinned yet)
         self.pin: Any = None
+        # The times at which the tail is the answer over UDP, [since, until): those at which
+        # int(now - entry.stored) == aged_for and now >= entry.stored, which is exact (the
+        # difference of two times within a factor of 2 of each other is a float without
+        # rounding, and so is stored plus a small integer); empty if the answer is too long.
+        self.since = self.until = 0.0
 
 
 _hot: dict[bytes, _Hot | None] = {}  # by the query's bytes after its ID; None: the slow path's
@@ -131,11 +138,12 @@ def answer_batch(
     data, lengths, at, step, addrs = (
         batcher.data, batcher.lengths, batcher.len_at, batcher.len_step, batcher.addrs
     )  # fmt: skip
-    queue_reply, memo, peek, touch, append = (
-        batcher.queue_reply, _hot, cache.peek, cache.touch, done.append
+    iov, headers, hstep, rptrs, name_ptrs = (
+        batcher.iov, batcher.headers, batcher.step, batcher.rptrs, batcher.name_ptrs
     )  # fmt: skip
+    memo, peek, touch, append = _hot, cache.peek, cache.touch, done.append
     pods: dict[int, PodDns | None] = {}  # a source's pod, looked up once per batch
-    slot = _dnsmmsg.SLOT
+    slot, k = _dnsmmsg.SLOT, batcher.queued
     for i in range(count):
         start = i * slot
         addr = addrs[4 * i + 1]
@@ -145,44 +153,45 @@ def answer_batch(
         hot = memo.get(data[start + 2 : start + lengths[at + i * step]], _UNSEEN)
         if hot is _UNSEEN:
             hot = _learn(data[start : start + lengths[at + i * step]])
-        if hot is None or pod is None:
-            slow(i, pod, done)
-            continue
-        upstreams = pod.upstreams or default_upstreams
-        if hot.upstreams is not upstreams:
-            _bind(hot, upstreams)
-        entry = peek(hot.key)
-        if (
-            entry is not None
-            and entry is hot.entry
-            and int(now - entry.stored) == hot.aged_for
-            and now >= entry.stored
-            and hot.size <= hot.limit
-        ):
-            touch(hot.key)  # what _refresh would find: the answer made is still the one
-        elif (entry := _refresh(hot, cache, now, hot.limit)) is None:
-            slow(i, pod, done)
-            continue
-        if not hot.pointer:
-            hot.pointer, hot.pin = _dnsmmsg.pin(hot.tail)
-        queue_reply(i, hot.pointer, hot.size - 2)
-        append((hot, entry, hot.pin, pod.pod_id, addr))
+        if hot is not None and pod is not None:
+            upstreams = pod.upstreams or default_upstreams
+            if hot.upstreams is not upstreams:
+                _bind(hot, upstreams)
+            if peek(hot.key) is hot.entry and hot.since <= now < hot.until:
+                entry = hot.entry
+                touch(hot.key)  # what _refresh would find: the answer made is still the one
+            else:
+                entry = _refresh(hot, cache, now, hot.limit)
+            if entry is not None:
+                if not hot.pointer:
+                    hot.pointer, hot.pin = _dnsmmsg.pin(hot.tail)
+                # Batcher.queue_reply(i, hot.pointer, hot.size - 2), written here: the hot loop
+                headers[k * hstep] = name_ptrs[i]
+                iov[4 * k], iov[4 * k + 1] = rptrs[i], 2
+                iov[4 * k + 2], iov[4 * k + 3] = hot.pointer, hot.size - 2
+                k += 1
+                append((hot, entry, hot.pin, pod.pod_id, addr))
+                continue
+        batcher.queued = k
+        slow(i, pod, done)
+        k = batcher.queued
+    batcher.queued = k
 
 
 def records(
-    done: list[Any], now: float, source: Callable[[int], str]
+    done: list[Any], now: float, batcher: _dnsmmsg.Batcher
 ) -> tuple[list[QueryRecord], int]:
     """The records of a batch from what `answer_batch` and its slow path left in `done`, in
     the order of the queries; and how many of them the hot path answered."""
     out: list[QueryRecord] = []
-    append, hits = out.append, 0
+    append, hits, sources = out.append, 0, batcher.sources
     for item in done:
         if item.__class__ is tuple:
             hot, entry, _, pod_id, addr = item
             hits += 1
             item = QueryRecord(
                 now,
-                source(addr),
+                sources.get(addr) or batcher.source(addr),
                 pod_id,
                 hot.text,
                 hot.qtype_class >> 16,
@@ -210,8 +219,8 @@ def _learn(data: bytes) -> _Hot | None:
 def _bind(hot: _Hot, upstreams: tuple[Address, ...]) -> None:
     """The key for these upstreams (pods with the same upstreams share the tuple)."""
     hot.upstreams = upstreams
-    hot.key = (upstreams_text(upstreams), hot.lower, hot.qtype_class, hot.bits)
-    hot.entry = None
+    hot.key = make_key(upstreams, hot.lower, hot.qtype_class, hot.bits)
+    hot.entry, hot.since, hot.until = None, 0.0, 0.0
 
 
 def _refresh(hot: _Hot, cache: AnswerCache, now: float, limit: int) -> _Entry | None:
@@ -227,6 +236,10 @@ def _refresh(hot: _Hot, cache: AnswerCache, now: float, limit: int) -> _Entry | 
         hot.entry, hot.aged_for, hot.size, hot.pointer, hot.pin = (
             entry, entry.aged_for, len(aged), 0, None
         )  # fmt: skip
+        hot.since = hot.until = 0.0
+        if hot.size <= hot.limit:
+            hot.since = entry.stored + entry.aged_for
+            hot.until = hot.since + 1  # aged_for < lifetime: not past the entry's end
         _tail_bytes += hot.size
         if _tail_bytes > _TAILS_AT_MOST:
             _tail_bytes = 0

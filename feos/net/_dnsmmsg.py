@@ -97,14 +97,17 @@ class Batcher:
         self.len_step = size // 4  # datagram i's length: lengths[len_at + i * len_step]
         self.len_at = ffi.offsetof("struct mmsghdr", "msg_len") // 4
         self.lengths = memoryview(ffi.buffer(self._rmsgs)).cast("I")
-        self._step = size // 8  # mmsghdrs in 8-byte words
-        self._headers = memoryview(ffi.buffer(self._smsgs)).cast("Q")
-        self._iov = memoryview(ffi.buffer(siov)).cast("Q")  # message k: words 4k to 4k + 3
-        self._name_ptrs = [_address(names + i * NAME) for i in range(batch)]
-        self._rptrs = [_address(rbufs + i * SLOT) for i in range(batch)]
+        # What queue_reply writes, for the hot loop to write itself (_dnsfast.answer_batch): the
+        # k-th answer queued (k = queued) to datagram i is msg_name (word k * step of headers)
+        # = name_ptrs[i] and the iovecs (words 4k to 4k + 3 of iov) = rptrs[i], 2, where, length.
+        self.step = size // 8  # mmsghdrs in 8-byte words
+        self.headers = memoryview(ffi.buffer(self._smsgs)).cast("Q")
+        self.iov = memoryview(ffi.buffer(siov)).cast("Q")
+        self.name_ptrs = [_address(names + i * NAME) for i in range(batch)]
+        self.rptrs = [_address(rbufs + i * SLOT) for i in range(batch)]
         self._sptrs = [_address(sbufs + i * SLOT) for i in range(batch)]
-        self._sources: dict[int, str] = {}
-        self._queued = self._unsendable = 0
+        self.sources: dict[int, str] = {}  # addrs' text, kept: `source`
+        self.queued = self._unsendable = 0
 
     def _new(self, ctype: str, n: int) -> Any:
         cdata = _ffi.new(ctype, n)
@@ -136,12 +139,12 @@ class Batcher:
 
     def source(self, addr: int) -> str:
         """An address as `addrs` holds it, as text (kept: a pod sends many queries)."""
-        text = self._sources.get(addr)
+        text = self.sources.get(addr)
         if text is None:
             text = socket.inet_ntoa(struct.pack("=I", addr))
-            if len(self._sources) >= 4096:
-                self._sources.clear()
-            self._sources[addr] = text
+            if len(self.sources) >= 4096:
+                self.sources.clear()
+            self.sources[addr] = text
         return text
 
     def peer(self, i: int) -> tuple[str, int]:
@@ -151,30 +154,30 @@ class Batcher:
 
     def queue(self, i: int, wire: bytes) -> None:
         """Send wire to where datagram i of the last batch came from, at the next flush."""
-        k = self._queued
+        k = self.queued
         if len(wire) > SLOT:
             self._unsendable += 1  # more than UDP carries: nothing a UDP answer is fitted to
             return
         self._out[k * SLOT : k * SLOT + len(wire)] = wire
-        iov = self._iov
+        iov = self.iov
         iov[4 * k], iov[4 * k + 1], iov[4 * k + 3] = self._sptrs[k], len(wire), 0
-        self._headers[k * self._step] = self._name_ptrs[i]  # msg_name, the header's first word
-        self._queued = k + 1
+        self.headers[k * self.step] = self.name_ptrs[i]  # msg_name, the header's first word
+        self.queued = k + 1
 
     def queue_reply(self, i: int, pointer: int, length: int) -> None:
         """Send datagram i's first 2 bytes (its ID) and `length` bytes at `pointer` back to where
         it came from, at the next flush. The caller keeps those bytes alive until then."""
-        k = self._queued
-        iov = self._iov
-        iov[4 * k], iov[4 * k + 1] = self._rptrs[i], 2
+        k = self.queued
+        iov = self.iov
+        iov[4 * k], iov[4 * k + 1] = self.rptrs[i], 2
         iov[4 * k + 2], iov[4 * k + 3] = pointer, length
-        self._headers[k * self._step] = self._name_ptrs[i]
-        self._queued = k + 1
+        self.headers[k * self.step] = self.name_ptrs[i]
+        self.queued = k + 1
 
     def flush(self) -> int:
         """Send what is queued; how many could not be sent (a full buffer, a refusal)."""
-        sent, queued, failed = 0, self._queued, self._unsendable
-        self._queued = self._unsendable = 0
+        sent, queued, failed = 0, self.queued, self._unsendable
+        self.queued = self._unsendable = 0
         while sent < queued:
             got = _lib.sendmmsg(self._fd, self._smsgs + sent, queued - sent, MSG_DONTWAIT)
             if got > 0:

@@ -158,7 +158,7 @@ class DnsServer:
         finally:
             counters.udp_queries += count
             counters.send_errors += batcher.flush()
-            made, hits = records(done, now, batcher.source)
+            made, hits = records(done, now, batcher)
             counters.cache_hits += hits
             self._hand_off(made)
         return count

@@ -220,7 +220,7 @@ def test_the_batch_gives_what_cached_reply_gives_query_by_query(
 
         answer_batch(batcher, len(sent), now, PODS.get, UP, cache, slow, done)
         assert batcher.flush() == 0
-        made, hits = records(done, now, batcher.source)
+        made, hits = records(done, now, batcher)
         return [client.recv(65535) for _, client, _ in sent], made, hits
 
     check()
