@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 from feos.errors import Code, FeosError
-from feos.guest import GuestClient, NetworkConfig, _schema
+from feos.guest import _schema
+from feos.guest._client import GuestClient, NetworkConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
