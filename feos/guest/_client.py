@@ -88,8 +88,10 @@ class SwapLink(Link):
                 return data
             if self._next is None:
                 self._next = asyncio.get_running_loop().create_future()
-            new = await self._next
-            self._next = None
+            waiting = self._next
+            new = await waiting
+            if self._next is waiting:
+                self._next = None
             if new is None:
                 return b""
             sock.close()
@@ -99,6 +101,8 @@ class SwapLink(Link):
         """Hold the stream at a boundary until the peer read all of it; False (and sending
         again) if it did not within `within` seconds."""
         self._open.clear()
+        if self._next is not None and self._next.done() and self._next.result() is None:
+            self._next = None  # an unpark's end of a stream that was never read
         try:
             async with asyncio.timeout(within):
                 # No event says that QEMU has read: SIOCOUTQ is polled (a suspend does it once).
@@ -125,8 +129,11 @@ class SwapLink(Link):
     def unpark(self) -> None:
         self._parked = False
         self._open.set()
-        if self._next is not None and not self._next.done():
-            self._next.set_result(None)
+        waiting = self._next
+        if waiting is not None and not waiting.done():  # a read past the old VMM's end
+            self._next = None
+            waiting.set_result(None)  # the stream ends there
+        # A rebind's connection (done) is the read's to take up, or close()'s.
 
     def close(self) -> None:
         if self._next is not None and self._next.done() and self._next.result() is not None:

@@ -424,3 +424,24 @@ def test_a_real_agents_session_goes_on_over_the_next_vmms_connection(tmp_path: P
     finally:
         agent.close()
         guest_side.close()
+
+
+def test_a_link_parks_again_after_an_unpark() -> None:
+    async def main() -> None:
+        ours, peer = _pair()
+        link = SwapLink(ours)
+        assert await link.park(1.0)
+        link.unpark()  # a suspend that failed
+        assert await link.park(1.0)  # the next one
+        peer.close()
+        reading = asyncio.ensure_future(link.recv())
+        await asyncio.sleep(0.02)
+        assert not reading.done()  # it waits for the resumed VMM, as the first park would
+        new, new_peer = _pair()
+        link.rebind(new)
+        new_peer.sendall(b"x")
+        assert await reading == b"x"
+        link.close()
+        new_peer.close()
+
+    _run(main())
