@@ -317,7 +317,10 @@ class GuestLink:
                 self._set_client(None)
                 self._parked = self._rejoined = self._drop = self._suspending = False
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
-                    await self.call(client.close)
+                    try:
+                        await self.call(client.close)
+                    except FeosError as exc:  # the bridge stops with feosd (a parked session)
+                        log.debug("guest of %s: closing the session: %s", self.vm_id, exc)
             # A new hello from the agent is not taken up on the same connection: what the
             # node's old session still sent would reach the agent's new one. A new dial makes
             # the port drop all of that (the agent reads EOF), then the new session starts.
@@ -355,7 +358,12 @@ class GuestLink:
                 nursery.cancel_scope.cancel()
                 return
             rejoined, self._parked, self._rejoined = self._rejoined, False, False
-            await self.call(client.unpark)
+            try:
+                await self.call(client.unpark)
+            except FeosError as exc:  # only when the bridge stops: the session ends with it
+                log.debug("guest of %s: unparking the session: %s", self.vm_id, exc)
+                nursery.cancel_scope.cancel()
+                return
             if rejoined:
                 nursery.start_soon(self._greet, client)
             elif not self._resumed:  # the suspend did not happen: greeted as it was

@@ -445,3 +445,26 @@ def test_a_link_parks_again_after_an_unpark() -> None:
         new_peer.close()
 
     _run(main())
+
+
+async def test_a_parked_session_ends_quietly_when_feosd_stops(
+    autojump_clock: trio.testing.MockClock, monkeypatch: Any
+) -> None:
+    """feosd stops while a VM is suspended: the bridge refuses the parked session's close (it
+    stops first), which must not end the service with an error."""
+    from feos.errors import Code, FeosError
+
+    log: list[str] = []
+    clients: list[_Client] = []
+    link = await _linked(monkeypatch, log, clients)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(link.run)
+        await link.wait_attach(0)
+        assert await link.park()
+
+        async def refused() -> None:
+            raise FeosError(Code.UNAVAILABLE, "feosd stops")
+
+        clients[0].close = refused  # type: ignore[method-assign]
+        await trio.sleep(1)
+        nursery.cancel_scope.cancel()  # the service's end: no exception comes out of run
