@@ -6,13 +6,14 @@ from __future__ import annotations
 import ipaddress
 import struct
 
+import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from feos.net import _dnsmsg as m
 from feos.net import _dnsresolver as r
 from feos.net._dnscache import AnswerCache, cache_key
-from feos.net._dnsfast import cached_reply, slow_cached_reply
+from feos.net._dnsfast import cached_reply, record_fields, slow_cached_reply
 from feos.net._nametable import NameTable
 
 UP = (ipaddress.ip_address("198.51.100.53"),)
@@ -253,3 +254,20 @@ def test_a_question_name_of_255_bytes_is_the_longest() -> None:
         r.decide(bytes(too_long), SOURCE, POD, TABLES, UP, transport="udp", now=0.0), r.Reply
     )  # FORMERR from the slow path
     assert struct.unpack_from("!H", stored, len(stored) - 4)[0] == m.A
+
+
+def test_a_record_from_its_fields_is_the_one_attrs_makes() -> None:
+    # The batch's records are a copy of record_fields given to a new object's __dict__
+    # (_dnsfast.records): every field attrs knows, none more, and the same record.
+    stored = query("www.example.test")
+    caches = caches_holding(stored, POD, [30], 0)
+    fast = cached_reply(stored, SOURCE, POD, UP, caches[0], 101.0)
+    assert fast is not None
+    entry = next(iter(caches[0]._entries.values()))
+    fields = record_fields("www.example.test.", m.A, entry)
+    assert list(fields) == [f.name for f in attrs.fields(r.QueryRecord)]
+    fields.update(time=101.0, source=SOURCE, pod=POD.pod_id)
+    made = object.__new__(r.QueryRecord)
+    object.__setattr__(made, "__dict__", fields)
+    assert made == fast[1] == r.QueryRecord(**fields)  # type: ignore[arg-type]
+    assert made.__dict__ == r.QueryRecord(**fields).__dict__  # type: ignore[arg-type]
