@@ -7,25 +7,17 @@ into dicts that the server writes into the results.
 
 from __future__ import annotations
 
-import re
 from typing import Any, TypeVar
 
 import attrs
 import cattrs
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
+from ._names import camel as camel
+from ._names import snake as snake
+
 T = TypeVar("T")
 
-_CAMEL = re.compile(r"_([a-z0-9])")
-_SNAKE = re.compile(r"(?<!^)([A-Z])")
-
-
-def camel(name: str) -> str:
-    return _CAMEL.sub(lambda m: m.group(1).upper(), name)
-
-
-def snake(name: str) -> str:
-    return _SNAKE.sub(lambda m: "_" + m.group(1).lower(), name)
 
 
 def _converter() -> cattrs.Converter:

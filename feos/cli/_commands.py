@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ..rpc._client import Client
 
 
@@ -85,6 +83,8 @@ def load_file(path: str) -> Any:
         text = sys.stdin.read() if path == "-" else Path(path).read_text()
     except OSError as exc:
         raise UsageError(f"{path}: {exc.strerror}") from exc
+    import yaml  # here: only spec files need it, and every feosctl start would pay its import
+
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -308,13 +308,11 @@ def register_names(nouns: Any) -> None:
 async def host_info(client: Client, args: argparse.Namespace) -> Table:
     info = (await client.call("host", "getHostInfo")).info.to_dict()
     version = info.get("version", {})
+    feosd = f"{version.get('feosd', '')} (pid {info.get('pid', 0)}"
     rows = [
         ["hostname", info.get("hostname", "")],
         ["kernel", info.get("kernel", "")],
-        [
-            "feosd",
-            f"{version.get('feosd', '')} (pid {info.get('pid', 0)}, python {version.get('python', '')})",
-        ],
+        ["feosd", f"{feosd}, python {version.get('python', '')})"],
         ["self-upgrade", "yes" if info.get("selfUpgrade") else "no"],
         ["driver", version.get("driver", "") or "-"],
         ["accel", version.get("accel", "") or "-"],
@@ -338,8 +336,8 @@ async def host_shutdown(client: Client, args: argparse.Namespace) -> str:
 async def host_upgrade(client: Client, args: argparse.Namespace) -> str:
     import hashlib
 
-    try:
-        binary = Path(args.binary).read_bytes()
+    try:  # a file the operator names, read before the call: the one-shot CLI has nothing to wait on
+        binary = Path(args.binary).read_bytes()  # noqa: ASYNC240
     except OSError as exc:
         raise UsageError(f"{args.binary}: {exc.strerror}") from exc
     digest = args.sha256 or hashlib.sha256(binary).hexdigest()

@@ -13,7 +13,7 @@ from typing import Any
 import capnp
 
 from .. import _schema
-from .._codec import snake
+from .._names import snake
 from ..errors import Code, FeosError
 
 SERVICES = ("pods", "volumes", "securityGroups", "names", "traffic", "host", "mesh")
