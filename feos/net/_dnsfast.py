@@ -9,6 +9,14 @@ client's ID and spelling patched in: no Message, no Record, no parse of the answ
 other than version 0, a stranger, a miss) returns None, and the caller takes the slow path
 (_dnsresolver.decide, then `slow_cached_reply`), which gives the same answer wherever the fast
 path gives one: tests/unit/test_dns_fast.py holds both to that for any bytes.
+
+What a query's bytes after its ID give is kept (a _Hot, by those bytes: pods repeat their
+queries): the scan, the key for the upstreams last asked, and the answer made for the query's
+spelling from the entry last found, for as long as that entry keeps its age. `answer_batch` does
+for a batch that recvmmsg read what `cached_reply` does for one query (tests/kernel/
+test_dns_mmsg.py holds them to the same answers, records and LRU order), with no Python object
+made per query but its record: it checks the kept entry is still the cache's and of the same
+age, and queues the query's own ID and the kept answer's bytes where they lie (_dnsmmsg).
 """
 
 from __future__ import annotations

@@ -9,9 +9,11 @@ TCP. Nothing a client sends ends the server: malformed and oversized input is co
 
 The UDP side is the hot one. Each time the socket is readable it reads a batch (recvmmsg through
 _dnsmmsg, else recvfrom until the socket is empty), answers what the cache holds from the bytes
-(_dnsfast.cached_reply), gives the rest to the slow path (_dnsresolver.decide), sends the batch's
-answers at once (sendmmsg) and only then hands the batch's records to on_record: trio's scheduler
-is touched once per batch, and a cached answer costs about a third more CPU than dnsmasq's.
+(_dnsfast.answer_batch), gives the rest to the slow path (_dnsresolver.decide), sends the batch's
+answers at once (sendmmsg) and only then makes the batch's records and hands them to on_record
+(or to on_records in one call): trio's scheduler is touched once per batch (after a full batch
+the loop reads again after a checkpoint, without wait_readable), and a cached answer costs a
+little less CPU than dnsmasq's (docs/network-dns.md, Performance).
 """
 
 from __future__ import annotations
