@@ -140,6 +140,11 @@ class RecordHub:
         for sub in list(self._subs):
             sub.offer(record)
 
+    @property
+    def watched(self) -> bool:
+        """Whether any watch call streams from the hub: a record made for none goes nowhere."""
+        return bool(self._subs)
+
     def count_lost(self, n: int = 1) -> None:
         self.lost += n
 
