@@ -164,8 +164,8 @@ class Agent:
 
     async def configure_network(self, cfg: dict[str, Any]) -> None:
         dev = _system.find_device(cfg["mac"], self.opts.sys_net)
-        cmds = _system.network_commands(dev, cfg["ipv6"], cfg["ula"], cfg["ipv4"], cfg["mtu"])
-        await _system.run_steps(self.reaper, cmds)
+        # rtnetlink on this thread: each request is answered inside its send (microseconds)
+        _system.configure_network(dev, cfg["ipv6"], cfg["ula"], cfg["ipv4"], cfg["mtu"])
         _system.write_in_place(self.resolv_conf, _system.resolv_conf(cfg["resolvers"]))
 
     async def mount_volumes(self, vols: list[dict[str, Any]]) -> list[tuple[str, str]]:

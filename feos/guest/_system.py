@@ -1,7 +1,8 @@
 """The guest's own machine: clock, network, volumes, the data volume's freeze, memory, power.
 
-The pure parts (the ip commands of a network configuration, a drive's name) are functions of
-their inputs; the rest runs commands through the Reaper or does one syscall.
+The pure parts (the rtnetlink requests of a network configuration, a drive's name) are functions
+of their inputs; the rest runs commands through the Reaper, or sends netlink messages, or does
+one syscall.
 """
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import socket
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from feos.errors import Code, FeosError
 
+from . import _netlink as nl
 from . import _proc
 
 FIFREEZE = 0xC0045877
@@ -22,6 +25,7 @@ SLEW_LIMIT_NS = 500_000_000  # adjtime's own bound: larger offsets are stepped
 ADJ_OFFSET_SINGLESHOT = 0x8001
 IPV6_GATEWAY = "fe80::1"
 IPV4_GATEWAY = "169.254.0.1"
+ULA_NET = bytes([0xFC]) + bytes(15)  # fc00::/7
 
 
 def boot_id() -> str:
@@ -68,36 +72,129 @@ def is_ula(addr: bytes) -> bool:
     return len(addr) == 16 and addr[0] & 0xFE == 0xFC
 
 
-def network_commands(dev: str, ipv6: str, ipv6_ula: bool, ipv4: str, mtu: int) -> list[list[str]]:
-    """The ip(8) commands that make dev what the configuration says, from whatever it was.
+class Step(NamedTuple):
+    """One rtnetlink request of a configuration; missing_ok: a delete of what is not there."""
 
-    Each command is one step; a failing flush or delete of what is not there is expected
-    (check=False), the rest must succeed.
+    name: str
+    kind: int
+    flags: int
+    payload: bytes
+    missing_ok: bool = False
+
+
+class Flush(NamedTuple):
+    """A dump of the family's addresses (RTM_GETADDR) or routes (RTM_GETROUTE), then a delete
+    of each that is the device's (addresses: of global scope only if global_only; routes: of
+    the main table, as `ip route flush dev` does)."""
+
+    name: str
+    dump: int
+    family: int
+    ifindex: int
+    global_only: bool = False
+
+
+MISSING = (errno.ESRCH, errno.EADDRNOTAVAIL)  # a route, an address that is not there
+ADD, REPLACE = nl.NLM_F_CREATE | nl.NLM_F_EXCL, nl.NLM_F_CREATE | nl.NLM_F_REPLACE
+V6, V4 = socket.AF_INET6, socket.AF_INET
+
+
+def network_plan(dev: str, lo: int, index: int, ipv6: str, ipv6_ula: bool, ipv4: str,
+                 mtu: int) -> list[Step | Flush]:  # fmt: skip
+    """The requests that make device index what the configuration says, from whatever it was.
+
+    What `ip` did before: lo up (a name table may give a sandbox's own services on 127.0.0.x),
+    the device up with its MTU; the IPv6 default and fc00::/7 routes deleted, the global IPv6
+    addresses, the IPv4 routes and addresses flushed; then the new addresses and routes.
     """
-    # The loopback too: a name table may give a sandbox's own services on 127.0.0.x.
-    cmds = [["ip", "link", "set", "dev", "lo", "up"]]
-    cmds += [["ip", "link", "set", "dev", dev, "up"] + (["mtu", str(mtu)] if mtu else [])]
-    cmds += [
-        ["-", "ip", "-6", "route", "del", "default", "dev", dev],
-        ["-", "ip", "-6", "route", "del", "fc00::/7", "dev", dev],
-        ["-", "ip", "-6", "addr", "flush", "dev", dev, "scope", "global"],
-        ["-", "ip", "-4", "route", "flush", "dev", dev],
-        ["-", "ip", "-4", "addr", "flush", "dev", dev],
-    ]
+    plan: list[Step | Flush] = [
+        Step("link up lo", nl.RTM_NEWLINK, 0, nl.link_up(lo)),
+        Step(f"link up {dev}" + (f" mtu {mtu}" if mtu else ""), nl.RTM_NEWLINK, 0,
+             nl.link_up(index, mtu)),
+        Step("delete the IPv6 default route", nl.RTM_DELROUTE, 0,
+             nl.route_msg(V6, index, b"", 0, delete=True), missing_ok=True),
+        Step("delete the fc00::/7 route", nl.RTM_DELROUTE, 0,
+             nl.route_msg(V6, index, ULA_NET, 7, delete=True), missing_ok=True),
+        Flush("flush the global IPv6 addresses", nl.RTM_GETADDR, V6, index, global_only=True),
+        Flush("flush the IPv4 routes", nl.RTM_GETROUTE, V4, index),
+        Flush("flush the IPv4 addresses", nl.RTM_GETADDR, V4, index),
+    ]  # fmt: skip
     if ipv6:
-        dest = "fc00::/7" if ipv6_ula else "default"
-        cmds += [
-            ["ip", "-6", "addr", "add", f"{ipv6}/128", "dev", dev, "nodad"],
-            ["ip", "-6", "route", "replace", dest, "via", IPV6_GATEWAY, "dev", dev]
-            + (["mtu", str(mtu)] if mtu else []),
-        ]
+        addr, gw = socket.inet_pton(V6, ipv6), socket.inet_pton(V6, IPV6_GATEWAY)
+        dst, dst_len = (ULA_NET, 7) if ipv6_ula else (b"", 0)
+        plan += [
+            Step(f"add {ipv6}/128", nl.RTM_NEWADDR, ADD,
+                 nl.addr_msg(V6, index, addr, 128, nl.IFA_F_NODAD)),
+            Step(f"route {'fc00::/7' if ipv6_ula else 'default'} via {IPV6_GATEWAY}",
+                 nl.RTM_NEWROUTE, REPLACE,
+                 nl.route_msg(V6, index, dst, dst_len, gateway=gw, mtu=mtu)),
+        ]  # fmt: skip
     if ipv4:
-        cmds += [
-            ["ip", "-4", "addr", "add", f"{ipv4}/32", "dev", dev],
-            ["ip", "-4", "route", "replace", IPV4_GATEWAY, "dev", dev, "scope", "link"],
-            ["ip", "-4", "route", "replace", "default", "via", IPV4_GATEWAY, "dev", dev, "onlink"],
-        ]
-    return cmds
+        addr, gw = socket.inet_pton(V4, ipv4), socket.inet_pton(V4, IPV4_GATEWAY)
+        plan += [
+            Step(f"add {ipv4}/32", nl.RTM_NEWADDR, ADD, nl.addr_msg(V4, index, addr, 32)),
+            Step(f"route {IPV4_GATEWAY} scope link", nl.RTM_NEWROUTE, REPLACE,
+                 nl.route_msg(V4, index, gw, 32, scope=nl.RT_SCOPE_LINK)),
+            Step(f"route default via {IPV4_GATEWAY} onlink", nl.RTM_NEWROUTE, REPLACE,
+                 nl.route_msg(V4, index, b"", 0, gateway=gw, flags=nl.RTNH_F_ONLINK)),
+        ]  # fmt: skip
+    return plan
+
+
+def flush_deletes(flush: Flush, items: list[nl.Msg]) -> list[tuple[int, bytes]]:
+    """The deletes of a flush: each matching dumped message sent back as it came, as ip(8)'s
+    flush does (the kernel matches a delete on what the dump said)."""
+    out = []
+    for msg in items:
+        if flush.dump == nl.RTM_GETADDR and msg.type == nl.RTM_NEWADDR:
+            a = nl.read_addr(msg.payload)
+            if (a.family, a.ifindex) == (flush.family, flush.ifindex) and (
+                not flush.global_only or a.scope == nl.RT_SCOPE_UNIVERSE
+            ):
+                out.append((nl.RTM_DELADDR, msg.payload))
+        elif flush.dump == nl.RTM_GETROUTE and msg.type == nl.RTM_NEWROUTE:
+            r = nl.read_route(msg.payload)
+            if (r.family, r.oif, r.table) == (flush.family, flush.ifindex, nl.RT_TABLE_MAIN) and (
+                not r.flags & nl.RTM_F_CLONED
+            ):
+                out.append((nl.RTM_DELROUTE, msg.payload))
+    return out
+
+
+def _ask(sock: nl.Socket, name: str, kind: int, flags: int, payload: bytes,
+         missing_ok: bool) -> nl.Reply:  # fmt: skip
+    reply = sock.ask(kind, flags, payload)
+    if reply.error and not (missing_ok and reply.error in MISSING):
+        raise FeosError(Code.INTERNAL, nl.describe(name, reply.error, reply.text))
+    return reply
+
+
+def apply_plan(sock: nl.Socket, plan: list[Step | Flush]) -> None:
+    for step in plan:
+        if isinstance(step, Step):
+            _ask(sock, step.name, step.kind, step.flags, step.payload, step.missing_ok)
+            continue
+        dump = nl.addr_dump if step.dump == nl.RTM_GETADDR else nl.route_dump
+        for _round in range(3):  # again only if the kernel says the dump was interrupted
+            reply = _ask(sock, step.name, step.dump, nl.NLM_F_DUMP, dump(step.family), False)
+            for kind, payload in flush_deletes(step, reply.items):
+                _ask(sock, step.name, kind, 0, payload, True)
+            if not reply.interrupted:
+                break
+
+
+def configure_network(dev: str, ipv6: str, ipv6_ula: bool, ipv4: str, mtu: int) -> None:
+    """Makes dev what the configuration says over rtnetlink (blocking, microseconds a step)."""
+    try:
+        lo, index = socket.if_nametoindex("lo"), socket.if_nametoindex(dev)
+    except OSError:
+        raise FeosError(Code.FAILED_PRECONDITION, f"no network device {dev}") from None
+    plan = network_plan(dev, lo, index, ipv6, ipv6_ula, ipv4, mtu)
+    try:
+        with nl.Socket() as sock:
+            apply_plan(sock, plan)
+    except (OSError, nl.Malformed) as e:
+        raise FeosError(Code.INTERNAL, f"netlink: {type(e).__name__}: {e}") from None
 
 
 def resolv_conf(resolvers: list[str]) -> str:
@@ -128,38 +225,6 @@ def find_device(mac: str, net: str = "/sys/class/net") -> str:
         if (mac and address == mac) or (not mac and kind == "1" and name != "lo"):
             return name
     raise FeosError(Code.FAILED_PRECONDITION, f"no network device {mac or '(ethernet)'}")
-
-
-def batches(cmds: list[list[str]]) -> list[tuple[bool, list[str], list[str]]]:
-    """ip(8) commands grouped into `ip -batch` scripts: (must succeed, options, lines), in order.
-
-    Under TCG every process costs tens of milliseconds: a run of steps of one kind (expected to
-    fail or not) and one family (-4, -6: a batch line cannot carry it) becomes one process.
-    """
-    out: list[tuple[bool, list[str], list[str]]] = []
-    for cmd in cmds:
-        must = cmd[0] != "-"
-        argv = cmd if must else cmd[1:]
-        if argv[0] != "ip":
-            raise ValueError(f"not an ip(8) command: {argv}")
-        options = [a for a in argv[1:2] if a in ("-4", "-6")]
-        line = " ".join(argv[1 + len(options):])
-        if out and out[-1][0] == must and out[-1][1] == options:
-            out[-1][2].append(line)
-        else:
-            out.append((must, options, [line]))
-    return out
-
-
-async def run_steps(reaper: _proc.Reaper, cmds: list[list[str]]) -> None:
-    for must, options, lines in batches(cmds):
-        script = ("\n".join(lines) + "\n").encode()
-        if not must:
-            await _proc.run(reaper, ["ip", *options, "-force", "-batch", "-"], input=script)
-            continue
-        code, _out, err = await _proc.run(reaper, ["ip", *options, "-batch", "-"], input=script)
-        if code != 0:
-            raise FeosError(Code.INTERNAL, f"ip: {err.strip() or f'exit {code}'}")
 
 
 # Drives and volumes ----------------------------------------------------------------------------

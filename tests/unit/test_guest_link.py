@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from feos.errors import Code, FeosError
-from feos.guest import _oci, _system, _validate
+from feos.guest import _oci, _validate
 from feos.guest._hello import (
     GUEST_HELLO,
     NODE_POKE,
@@ -152,39 +152,6 @@ def test_env(items: list[str]) -> None:
         assert e.code == Code.INVALID_ARGUMENT
         return
     assert all("=" in i and not i.startswith("=") for i in items)
-
-
-def test_network_commands_for_a_ula_route_fc00_not_a_default() -> None:
-    cmds = _system.network_commands("eth0", "fd00::5", True, "169.254.16.5", 1420)
-    routes = [c for c in cmds if c[:4] == ["ip", "-6", "route", "replace"]]
-    assert routes == [
-        ["ip", "-6", "route", "replace", "fc00::/7", "via", "fe80::1", "dev", "eth0", "mtu", "1420"]
-    ]
-    assert ["ip", "-6", "addr", "add", "fd00::5/128", "dev", "eth0", "nodad"] in cmds
-    assert [
-        "ip",
-        "-4",
-        "route",
-        "replace",
-        "default",
-        "via",
-        "169.254.0.1",
-        "dev",
-        "eth0",
-        "onlink",
-    ] in cmds
-    assert cmds[0] == ["ip", "link", "set", "dev", "lo", "up"]
-    # One process a run of steps: must-succeed, may-fail, must-succeed.
-    groups = _system.batches(cmds)
-    assert [(must, opts) for must, opts, _ in groups] == [
-        (True, []), (False, ["-6"]), (False, ["-4"]), (True, ["-6"]), (True, ["-4"])]
-    assert groups[0][2] == ["link set dev lo up", "link set dev eth0 up mtu 1420"]
-    assert "addr add fd00::5/128 dev eth0 nodad" in groups[3][2]
-    glob = _system.network_commands("eth0", "2001:db8::5", False, "", 0)
-    assert ["ip", "-6", "route", "replace", "default", "via", "fe80::1", "dev", "eth0"] in glob
-    assert not any(c[:2] == ["ip", "-4"] and "add" in c for c in glob)
-    assert _system.is_ula(bytes([0xFD]) + bytes(15))
-    assert not _system.is_ula(bytes([0x20]) + bytes(15))
 
 
 def test_oci_config_args_env_and_user() -> None:
