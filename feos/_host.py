@@ -121,8 +121,8 @@ class HostService:
         try:
             write_whole(staged, binary)
         except OSError as exc:
-            raise FeosError(Code.FAILED_PRECONDITION,
-                            f"the new program cannot be written beside {self._binary}: {exc}") from exc
+            why = f"the new program cannot be written beside {self._binary}: {exc}"
+            raise FeosError(Code.FAILED_PRECONDITION, why) from exc
         os.chmod(staged, 0o755)
         return staged
 

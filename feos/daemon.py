@@ -280,7 +280,8 @@ class Daemon:
             await nursery.start(self.pods.run)
             self.bind(inherited)
             bootstrap = self.bootstrap(bridge)
-            servers = [await bridge.call(listen, sock, bootstrap) for sock in self.listeners.values()]
+            socks = self.listeners.values()
+            servers = [await bridge.call(listen, sock, bootstrap) for sock in socks]
             log.info("serving the API on %s", ", ".join(_where(s) for s in self.listeners.values()))
             if self.args.control_plane:
                 log.warning("--control-plane %s: the control-plane link is not built yet; "

@@ -30,9 +30,10 @@ _VOLUME_NAME = re.compile(r"[a-z0-9-]{1,63}")
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # [registry/]repository[:tag][@sha256:digest], as `docker pull` takes it: the first component is
 # a registry only when it has a dot or a port, or is localhost
-_REGISTRY = re.compile(r"(?:[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)+|localhost|\[[0-9a-fA-F:]+\])(?::[0-9]+)?"
-                       r"|[a-zA-Z0-9-]+:[0-9]+")
-_REPOSITORY = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+_REGISTRY = re.compile(r"(?:[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)+|localhost|\[[0-9a-fA-F:]+\])"
+                       r"(?::[0-9]+)?|[a-zA-Z0-9-]+:[0-9]+")
+_REPOSITORY = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+                         r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
                          r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?")
 
 
@@ -149,7 +150,8 @@ def _volumes(items: Sequence[dict[str, Any]]) -> tuple[tuple[str, str], ...]:
     for i, item in enumerate(items):
         name, volume_id = item.get("name", ""), item.get("volumeId", "")
         if not _VOLUME_NAME.fullmatch(name):
-            raise invalid(f"spec.volumes[{i}].name", "must be 1 to 63 of lowercase letters, digits and -")
+            raise invalid(f"spec.volumes[{i}].name",
+                          "must be 1 to 63 of lowercase letters, digits and -")
         if not _UUID.fullmatch(volume_id):
             raise invalid(f"spec.volumes[{i}].volumeId", "must be a volume's ID, a lowercase UUID")
         if any(name == n for n, _ in volumes):
@@ -185,7 +187,8 @@ def _container(item: dict[str, Any], i: int, names: set[str]) -> Container:
     for j, pair in enumerate(item.get("env", [])):
         key = pair.get("key", "")
         if not _ENV_KEY.fullmatch(key):
-            raise invalid(f"{where}.env[{j}].key", "must be a variable name ([A-Za-z_][A-Za-z0-9_]*)")
+            raise invalid(f"{where}.env[{j}].key",
+                          "must be a variable name ([A-Za-z_][A-Za-z0-9_]*)")
         env.append((key, pair.get("value", "")))
     command = tuple(item.get("command", []))
     if any("\0" in arg for arg in command):
@@ -249,7 +252,8 @@ def _parse_spec(data: dict[str, Any]) -> PodSpec:
         seen.add(container.name)
     disk = data.get("diskSizeMib", 0)
     if disk and not 1024 <= disk <= 16 << 20:
-        raise invalid("spec.diskSizeMib", "must be 0 (the guest's default) or 1024 to 16 TiB in MiB")
+        raise invalid("spec.diskSizeMib",
+                      "must be 0 (the guest's default) or 1024 to 16 TiB in MiB")
     return PodSpec(
         vcpus=_vcpus(data.get("vcpus", 0)),
         memory_mib=_memory(data.get("memoryMib", 0)),
