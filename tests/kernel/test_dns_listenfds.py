@@ -8,7 +8,6 @@ import textwrap
 from pathlib import Path
 
 from conftest import Netns
-
 from feos.net import _dnsmsg as m
 
 ADDRESS = "127.0.0.53"

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import trio
-from conftest import Netns, run
 
+from conftest import Netns, run
 from feos.net import _dnsmsg as m
 from feos.net._dnscache import AnswerCache
 from feos.net._dnsresolver import PodDns, QueryRecord

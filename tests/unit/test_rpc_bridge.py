@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import trio
+import trio.lowlevel
 
 from feos.errors import Code, FeosError
 from feos.rpc._bridge import CapnpThread, capnp_thread
@@ -54,7 +55,7 @@ async def test_to_trio_round_trip_and_errors() -> None:
     async with capnp_thread() as bridge:
 
         async def double(x: int) -> int:
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
             return 2 * x
 
         async def bad() -> None:
