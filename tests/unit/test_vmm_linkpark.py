@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -259,15 +261,23 @@ async def _linked(monkeypatch: Any, log: list[str], clients: list[_Client]) -> G
     return GuestLink("abcdefghjkm", Path("/nonexistent"), _Bridge(), connect=connect)
 
 
-async def test_a_rejoined_session_is_pinged_without_a_new_dial(
-    autojump_clock: trio.testing.MockClock, monkeypatch: Any
-) -> None:
+@asynccontextmanager
+async def _attached(monkeypatch: Any) -> AsyncIterator[tuple[GuestLink, list[str], list[_Client]]]:
+    """A link running with its first session attached; the link's run ends with the block."""
     log: list[str] = []
     clients: list[_Client] = []
     link = await _linked(monkeypatch, log, clients)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(link.run)
         await link.wait_attach(0)
+        yield link, log, clients
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_rejoined_session_is_pinged_without_a_new_dial(
+    autojump_clock: trio.testing.MockClock, monkeypatch: Any
+) -> None:
+    async with _attached(monkeypatch) as (link, log, clients):
         log.clear()
         assert await link.park()
         with trio.move_on_after(1):
@@ -282,18 +292,12 @@ async def test_a_rejoined_session_is_pinged_without_a_new_dial(
         assert await link.session(1) is clients[0]
         assert log == ["park", "rejoin", "unpark", "ping", "set_time"]
         assert len(clients) == 1 and link.sessions == 1
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_session_not_rejoined_ends_and_the_resume_dials(
     autojump_clock: trio.testing.MockClock, monkeypatch: Any
 ) -> None:
-    log: list[str] = []
-    clients: list[_Client] = []
-    link = await _linked(monkeypatch, log, clients)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(link.run)
-        await link.wait_attach(0)
+    async with _attached(monkeypatch) as (link, _log, clients):
         assert await link.park()
         clients[0].vmm_gone = True
         pinged = link.resuming()
@@ -302,54 +306,36 @@ async def test_a_session_not_rejoined_ends_and_the_resume_dials(
             await pinged.wait()
         assert len(clients) == 2  # a new session, pinged as a resumed guest is
         assert clients[1].log[-2:] == ["ping", "set_time"]
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_failed_suspend_unparks_the_same_session(
     autojump_clock: trio.testing.MockClock, monkeypatch: Any
 ) -> None:
-    log: list[str] = []
-    clients: list[_Client] = []
-    link = await _linked(monkeypatch, log, clients)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(link.run)
-        await link.wait_attach(0)
+    async with _attached(monkeypatch) as (link, log, clients):
         log.clear()
         assert await link.park()
         link.unpark()
         with trio.fail_after(1):
             assert await link.session(1) is clients[0]
         assert log == ["park", "unpark"]
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_guest_that_does_not_read_is_not_kept(
     autojump_clock: trio.testing.MockClock, monkeypatch: Any
 ) -> None:
-    log: list[str] = []
-    clients: list[_Client] = []
-    link = await _linked(monkeypatch, log, clients)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(link.run)
-        await link.wait_attach(0)
+    async with _attached(monkeypatch) as (link, _log, clients):
         clients[0].quiet = False
         assert not await link.park()
         assert not await link.rejoin()  # the resume starts a new session instead
         link.unpark()  # and a failed suspend keeps this one, greeted as before
         with trio.fail_after(1):
             assert await link.session(1) is clients[0]
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_failed_resume_drops_the_rejoined_session(
     autojump_clock: trio.testing.MockClock, monkeypatch: Any
 ) -> None:
-    log: list[str] = []
-    clients: list[_Client] = []
-    link = await _linked(monkeypatch, log, clients)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(link.run)
-        await link.wait_attach(0)
+    async with _attached(monkeypatch) as (link, _log, clients):
         assert await link.park()
         link.resuming()
         assert await link.rejoin()
@@ -358,7 +344,6 @@ async def test_a_failed_resume_drops_the_rejoined_session(
             await clients[0].ended.wait()
         await trio.sleep(10)
         assert len(clients) == 1  # held: no dial until the next resume kicks
-        nursery.cancel_scope.cancel()
 
 
 # -- with a real agent (a process on the host) and a relay in QEMU's place -------------------
@@ -454,12 +439,7 @@ async def test_a_parked_session_ends_quietly_when_feosd_stops(
     stops first), which must not end the service with an error."""
     from feos.errors import Code, FeosError
 
-    log: list[str] = []
-    clients: list[_Client] = []
-    link = await _linked(monkeypatch, log, clients)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(link.run)
-        await link.wait_attach(0)
+    async with _attached(monkeypatch) as (link, _log, clients):
         assert await link.park()
 
         async def refused() -> None:
@@ -467,4 +447,4 @@ async def test_a_parked_session_ends_quietly_when_feosd_stops(
 
         clients[0].close = refused  # type: ignore[method-assign]
         await trio.sleep(1)
-        nursery.cancel_scope.cancel()  # the service's end: no exception comes out of run
+        # the block's end cancels the link's run, as the service's end does: nothing comes out
