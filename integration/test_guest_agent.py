@@ -168,6 +168,9 @@ def test_network_volume_pull_and_a_container(env: Env) -> None:
             await c.pull_image(f"{GATEWAY}:5001/feos/busybox:1", "not-the-token")
         out["refused"] = refused.value
         out["authorized"] = await c.pull_image(f"{GATEWAY}:5001/feos/busybox:1", env.token)
+        with pytest.raises(FeosError) as missing:
+            await c.create_container(ContainerConfig("bad", image, ("no-such-program", "x")))
+        out["missing"] = missing.value
         config = ContainerConfig(
             "web", image, ("/bin/sh", "-c", "echo started; echo kept > /store/f; sleep 600"),
             env=("GREETING=hi",), volume_mounts=(VolumeMount("store", "/store"),),
@@ -199,6 +202,8 @@ def test_network_volume_pull_and_a_container(env: Env) -> None:
     assert "401 Unauthorized" in got["refused"].message
     assert "not-the-token" not in got["refused"].message
     assert got["authorized"][0].startswith("sha256:")
+    assert got["missing"].code == Code.INVALID_ARGUMENT
+    assert "'no-such-program' is not an executable file in its PATH" in got["missing"].message
     assert got["created"].status == "created"
     assert got["started"].status == "running"
     assert got["logs"] == b"started\n"

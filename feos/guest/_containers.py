@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import time
 from typing import Any
 
@@ -208,10 +209,12 @@ class Containers:
             raise FeosError(Code.FAILED_PRECONDITION, f"image {config['image']}: {e}") from None
         for _, dest, _ in binds:
             os.makedirs(os.path.join(rootfs, dest.lstrip("/")), exist_ok=True)
+        args = _oci.process_args(config["command"], ic)
+        env = _oci.merge_env(list(ic.get("Env") or []), config["env"])
+        cwd = config["workingDir"] or str(ic.get("WorkingDir") or "/")
+        _check_command(rootfs, args[0], env, cwd, [dest for _, dest, _ in binds], config)
         spec = _oci.config(
-            hostname=config["name"], args=_oci.process_args(config["command"], ic),
-            env=_oci.merge_env(list(ic.get("Env") or []), config["env"]),
-            cwd=config["workingDir"] or str(ic.get("WorkingDir") or "/"), uid=uid, gid=gid,
+            hostname=config["name"], args=args, env=env, cwd=cwd, uid=uid, gid=gid,
             resolv_conf=self.resolv_conf, binds=binds,
         )  # fmt: skip
         write_whole(os.path.join(work, "bundle", "config.json"), json.dumps(spec).encode())
@@ -326,6 +329,53 @@ def _process_env(directory: str) -> list[str]:
             return list(json.load(f)["process"]["env"])
     except (OSError, ValueError, KeyError, TypeError):
         return []
+
+
+def _check_command(rootfs: str, arg0: str, env: list[str], cwd: str, mounts: list[str],
+                   config: dict[str, Any]) -> None:  # fmt: skip
+    """A command the container could not run fails its create, as docker's does, rather than a
+    start that answers and a container that exits 127 at once. One that may be on a volume
+    (mounted at start, not there yet) is left to the start."""
+    paths = _oci.command_paths(arg0, env, cwd)
+    if any(p == m or p.startswith(m.rstrip("/") + "/") for p in paths for m in mounts):
+        return
+    if any(_executable_in(rootfs, p) for p in paths):
+        return
+    where = "" if "/" in arg0 else " in its PATH"
+    raise FeosError(Code.INVALID_ARGUMENT, f"container {config['name']}: command {arg0!r} is not "
+                    f"an executable file{where} in image {config['image']}")  # fmt: skip
+
+
+def _executable_in(rootfs: str, path: str, hops: int = 40) -> bool:
+    """Whether path, resolved inside rootfs as the container sees it (symlinks, absolute or
+    relative, never above its root), is an executable regular file."""
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    done: list[str] = []
+    while parts:
+        part = parts.pop(0)
+        if part == "..":
+            done = done[:-1]
+            continue
+        here = os.path.join(rootfs, *done, part)
+        try:
+            st = os.lstat(here)
+        except OSError:
+            return False
+        if stat.S_ISLNK(st.st_mode):
+            hops -= 1
+            if hops < 0:
+                return False  # a loop: ELOOP to the container too
+            target = os.readlink(here)
+            parts = [p for p in target.split("/") if p not in ("", ".")] + parts
+            if target.startswith("/"):
+                done = []
+            continue
+        done.append(part)
+    try:
+        st = os.stat(os.path.join(rootfs, *done))
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and bool(st.st_mode & 0o111)
 
 
 def _read(rootfs: str, rel: str) -> str:

@@ -26,6 +26,20 @@ def process_args(command: list[str], image_config: dict[str, Any]) -> list[str]:
     return args or ["/bin/sh"]
 
 
+def command_paths(arg0: str, env: list[str], cwd: str) -> list[str]:
+    """Where a process's argv[0] is looked for, in order, as absolute paths in the container:
+    itself if it has a slash (relative to cwd), else each directory of the environment's PATH,
+    as execvp(3) searches it."""
+    if "/" in arg0:
+        return [_join(cwd, arg0)]
+    path = next((e[5:] for e in env if e.startswith("PATH=")), DEFAULT_PATH[5:])
+    return [_join(_join(cwd, d or "."), arg0) for d in path.split(":")]
+
+
+def _join(base: str, rel: str) -> str:
+    return rel if rel.startswith("/") else base.rstrip("/") + "/" + rel
+
+
 def merge_env(image_env: list[str], env: list[str]) -> list[str]:
     """The image's environment, then the node's over it (a key keeps its first place)."""
     merged: dict[str, str] = {}
