@@ -33,15 +33,21 @@ except FeosError as e:
 def reference(dev: str, ipv6: str, ula: bool, ipv4: str, mtu: int) -> list[list[str]]:
     """The ip(8) commands of feos.guest._system before rtnetlink ('-': may fail)."""
     m = ["mtu", str(mtu)] if mtu else []
-    cmds = [["link", "set", "dev", "lo", "up"], ["link", "set", "dev", dev, "up", *m],
-            ["-", "-6", "route", "del", "default", "dev", dev],
-            ["-", "-6", "route", "del", "fc00::/7", "dev", dev],
-            ["-", "-6", "addr", "flush", "dev", dev, "scope", "global"],
-            ["-", "-4", "route", "flush", "dev", dev], ["-", "-4", "addr", "flush", "dev", dev]]
+    cmds = [
+        ["link", "set", "dev", "lo", "up"],
+        ["link", "set", "dev", dev, "up", *m],
+        ["-", "-6", "route", "del", "default", "dev", dev],
+        ["-", "-6", "route", "del", "fc00::/7", "dev", dev],
+        ["-", "-6", "addr", "flush", "dev", dev, "scope", "global"],
+        ["-", "-4", "route", "flush", "dev", dev],
+        ["-", "-4", "addr", "flush", "dev", dev],
+    ]
     if ipv6:
         dest = "fc00::/7" if ula else "default"
-        cmds += [["-6", "addr", "add", f"{ipv6}/128", "dev", dev, "nodad"],
-                 ["-6", "route", "replace", dest, "via", "fe80::1", "dev", dev, *m]]
+        cmds += [
+            ["-6", "addr", "add", f"{ipv6}/128", "dev", dev, "nodad"],
+            ["-6", "route", "replace", dest, "via", "fe80::1", "dev", dev, *m],
+        ]
     if ipv4:
         cmds += [["-4", "addr", "add", f"{ipv4}/32", "dev", dev],
                  ["-4", "route", "replace", "169.254.0.1", "dev", dev, "scope", "link"],
