@@ -94,7 +94,9 @@ class Flush(NamedTuple):
     global_only: bool = False
 
 
-MISSING = (errno.ESRCH, errno.EADDRNOTAVAIL)  # a route, an address that is not there
+# A delete of a route, an address that is not there; or of an IPv6 route on a kernel without
+# IPv6 (EOPNOTSUPP), where ip(8)'s delete failed too and was ignored.
+MISSING = (errno.ESRCH, errno.EADDRNOTAVAIL, errno.EOPNOTSUPP)
 ADD, REPLACE = nl.NLM_F_CREATE | nl.NLM_F_EXCL, nl.NLM_F_CREATE | nl.NLM_F_REPLACE
 V6, V4 = socket.AF_INET6, socket.AF_INET
 
