@@ -298,6 +298,18 @@ class Containers:
         await asyncio.gather(*(self.stop(c.name, signal.SIGTERM, timeout) for c in self.all()),
                              return_exceptions=True)  # fmt: skip
 
+    async def wait_made(self, name: str, within: float = 10.0) -> None:
+        """Until crun has made the running container (its state file), which `crun run` does
+        after the start has answered: an exec right after the start would find no container
+        (`crun exec`: "error opening file .../status"). Returns at once once it is there, and
+        when the container no longer runs (exec then says why)."""
+        status = os.path.join(self.crun_root, name, "status")
+        deadline = time.monotonic() + within
+        while self._all.get(name) is not None and self._all[name].status == RUNNING:
+            if os.path.exists(status) or time.monotonic() > deadline:  # noqa: ASYNC240 (tmpfs)
+                return
+            await asyncio.sleep(0.01)
+
     def exec(
         self, name: str, argv: list[str], env: list[str], stdin: bool
     ) -> tuple[_proc.Child, int | None, int, int]:
@@ -342,8 +354,8 @@ def _check_command(rootfs: str, arg0: str, env: list[str], cwd: str, mounts: lis
     if any(_executable_in(rootfs, p) for p in paths):
         return
     where = "" if "/" in arg0 else " in its PATH"
-    raise FeosError(Code.INVALID_ARGUMENT, f"container {config['name']}: command {arg0!r} is not "
-                    f"an executable file{where} in image {config['image']}")  # fmt: skip
+    raise FeosError(Code.INVALID_ARGUMENT, f"command {arg0!r} is not an executable file{where} "
+                    f"in image {config['image']}")  # fmt: skip
 
 
 def _executable_in(rootfs: str, path: str, hops: int = 40) -> bool:

@@ -230,6 +230,7 @@ class GuestServer(guest.GuestService.Server):  # type: ignore[misc]
             argv = _validate.texts("command", [str(a) for a in p.command])
             _validate.check(bool(argv) and bool(argv[0]), "command", "a program and its arguments")
             env = _validate.env("env", [str(e) for e in p.env])
+            await self.a.containers.wait_made(str(p.name))
             child, stdin, out, err = self.a.containers.exec(str(p.name), argv, env, bool(p.stdin))
             r.process = ProcessServer(child, stdin)
             r.stdout, r.stderr = PipeStream(out), PipeStream(err)
