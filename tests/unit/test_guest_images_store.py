@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import capnp
 from test_guest_registry import Registry, busybox, registry  # noqa: F401 (fixtures)
@@ -24,13 +25,20 @@ def pull(store: ImageStore, ref: str) -> None:
     asyncio.run(capnp.run(store.pull(ref, None)))
 
 
+def pulled(reg: Registry, tmp_path: Path) -> tuple[ImageStore, str, Any, Path]:
+    """A store that pulled busybox: the store, the reference's text, the reference, its record."""
+    store = ImageStore(str(tmp_path))
+    text = f"{reg.host}/feos/busybox:1"
+    pull(store, text)
+    ref = reference("r", text)
+    return store, text, ref, Path(store._ref_path(ref))
+
+
 def test_a_blob_cut_short_is_an_image_not_pulled_and_pulled_again(
     registry: Registry, busybox: str, tmp_path: Path  # noqa: F811
 ) -> None:
-    store = ImageStore(str(tmp_path))
-    text = f"{registry.host}/feos/busybox:1"
-    pull(store, text)
-    image = store.find(reference("r", text))
+    store, text, ref, _ = pulled(registry, tmp_path)
+    image = store.find(ref)
     assert image is not None and image.digest == busybox
     layer = Path(store.blob_path(image.layers[0][0]))
     whole = layer.read_bytes()
@@ -48,11 +56,7 @@ def test_a_blob_cut_short_is_an_image_not_pulled_and_pulled_again(
 def test_a_record_cut_short_or_without_its_blob_is_no_image(
     registry: Registry, busybox: str, tmp_path: Path  # noqa: F811
 ) -> None:
-    store = ImageStore(str(tmp_path))
-    text = f"{registry.host}/feos/busybox:1"
-    pull(store, text)
-    ref = reference("r", text)
-    record = Path(store._ref_path(ref))
+    store, text, ref, record = pulled(registry, tmp_path)
     kept = record.read_bytes()
     record.write_bytes(kept[: len(kept) // 3])
     assert store.find(ref) is None
@@ -69,11 +73,7 @@ def test_a_record_cut_short_or_without_its_blob_is_no_image(
 def test_a_record_of_an_older_agent_without_sizes_still_reads(
     registry: Registry, busybox: str, tmp_path: Path  # noqa: F811
 ) -> None:
-    store = ImageStore(str(tmp_path))
-    text = f"{registry.host}/feos/busybox:1"
-    pull(store, text)
-    ref = reference("r", text)
-    record = Path(store._ref_path(ref))
+    store, _text, ref, record = pulled(registry, tmp_path)
     data = json.loads(record.read_bytes())
     assert set(data["sizes"]) == {d for d, _ in data["layers"]}
     del data["sizes"]
