@@ -4,10 +4,8 @@ datagram read with its source, every answer to where its query came from."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import ipaddress
 import itertools
-import os
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -23,24 +21,12 @@ from feos.net import _dnsresolver as r
 from feos.net._dnscache import AnswerCache, cache_key
 from feos.net._dnsfast import answer_batch, cached_reply, records
 from feos.net._dnsmmsg import open_batcher
-
-CLONE_NEWNET = 0x40000000
-_libc = ctypes.CDLL(None, use_errno=True)
+from feos.net._links import netns_entered
 
 
-@contextlib.contextmanager
-def in_netns(ns: Netns) -> Iterator[None]:
-    back = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    there = os.open(f"/run/netns/{ns.name}", os.O_RDONLY)
-    try:
-        if _libc.setns(there, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), "setns")
-        yield
-    finally:
-        if _libc.setns(back, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), "setns back")
-        os.close(back)
-        os.close(there)
+def in_netns(ns: Netns) -> contextlib.AbstractContextManager[None]:
+    """This thread in the namespace for the block: sockets made in it stay there."""
+    return netns_entered(ns.name)
 
 
 @pytest.fixture

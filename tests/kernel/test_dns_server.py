@@ -4,9 +4,7 @@ that queries it with dig, and an upstream namespace where dnsmasq answers withou
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import ipaddress
-import os
 import socket
 import struct
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -20,30 +18,18 @@ from feos.net import _dnsmsg as m
 from feos.net._dnscache import AnswerCache
 from feos.net._dnsresolver import PodDns, QueryRecord
 from feos.net._dnsserver import DnsServer
+from feos.net._links import netns_entered
 from feos.net._listenfds import bind_dns_sockets
 from feos.net._nametable import NameTable
 
 RESOLVER = ipaddress.IPv4Address("169.254.0.53")
 POD_IP, STRANGER_IP = "169.254.16.5", "169.254.16.99"
 UP4, UP6, DEAD4 = "10.53.0.2", "fd53::2", "10.53.0.9"
-CLONE_NEWNET = 0x40000000
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
-@contextlib.contextmanager
-def in_netns(ns: Netns) -> Iterator[None]:
+def in_netns(ns: Netns) -> contextlib.AbstractContextManager[None]:
     """This thread in the namespace for the block: sockets made in it stay there."""
-    back = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    there = os.open(f"/run/netns/{ns.name}", os.O_RDONLY)
-    try:
-        if _libc.setns(there, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), "setns")
-        yield
-    finally:
-        if _libc.setns(back, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), "setns back")
-        os.close(back)
-        os.close(there)
+    return netns_entered(ns.name)
 
 
 def ech_https_hex() -> str:
