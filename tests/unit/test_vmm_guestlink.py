@@ -12,9 +12,26 @@ import trio.testing
 from feos.vmm._guestlink import GuestLink
 
 
-class _Bridge:
+class Bridge:
+    """The RPC bridge's call, run in place (these clients live on trio)."""
+
     async def call(self, fn: Any, *args: Any) -> Any:
         return await fn(*args)
+
+
+def stub_waits(monkeypatch: Any) -> None:
+    """GuestLink's waits on a client made the fakes' own: an attach logged at once, an end when
+    the fake's `ended` is set (test_vmm_linkpark uses these too)."""
+    import feos.vmm._guestlink as gl
+
+    async def attached(client: Any, within: float) -> None:
+        client.log.append("attached")
+
+    async def ended(client: Any) -> None:
+        await client.ended.wait()
+
+    monkeypatch.setattr(gl, "_wait_attached", attached)
+    monkeypatch.setattr(gl, "_wait_ended", ended)
 
 
 class _Client:
@@ -39,16 +56,7 @@ class _Client:
 async def test_attach_pushes_and_a_resume_pings_first(
     autojump_clock: trio.testing.MockClock, monkeypatch: Any
 ) -> None:
-    import feos.vmm._guestlink as gl
-
-    async def attached(client: Any, within: float) -> None:
-        client.log.append("attached")
-
-    async def ended(client: Any) -> None:
-        await client.ended.wait()
-
-    monkeypatch.setattr(gl, "_wait_attached", attached)
-    monkeypatch.setattr(gl, "_wait_ended", ended)
+    stub_waits(monkeypatch)
     log: list[str] = []
     clients: list[_Client] = []
     dials: list[float] = []
@@ -62,7 +70,7 @@ async def test_attach_pushes_and_a_resume_pings_first(
         return "cfg"
 
     seen: list[str] = []
-    link = GuestLink("abcdefghjkm", Path("/nonexistent"), _Bridge(), network=network,
+    link = GuestLink("abcdefghjkm", Path("/nonexistent"), Bridge(), network=network,
                      on_attach=lambda c: seen.append(c.boot_id), connect=connect)  # fmt: skip
     async with trio.open_nursery() as nursery:
         nursery.start_soon(link.run)

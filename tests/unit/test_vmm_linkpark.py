@@ -16,6 +16,7 @@ import trio
 import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
+from test_vmm_guestlink import Bridge, stub_waits
 
 from feos.guest._client import SwapLink
 from feos.guest._hello import Frames, node_poke
@@ -203,11 +204,6 @@ def test_unpark_of_a_live_connection_sends_again() -> None:
 # -- GuestLink's steps around a suspend -------------------------------------------------
 
 
-class _Bridge:
-    async def call(self, fn: Any, *args: Any) -> Any:
-        return await fn(*args)
-
-
 class _Client:
     """What GuestLink needs of a GuestClient, recording the calls; `vmm_gone` is a VMM that
     ended under a parked session (a real one's stream then ends when unparked)."""
@@ -243,22 +239,13 @@ class _Client:
 
 
 async def _linked(monkeypatch: Any, log: list[str], clients: list[_Client]) -> GuestLink:
-    import feos.vmm._guestlink as gl
-
-    async def attached(client: Any, within: float) -> None:
-        client.log.append("attached")
-
-    async def ended(client: Any) -> None:
-        await client.ended.wait()
-
-    monkeypatch.setattr(gl, "_wait_attached", attached)
-    monkeypatch.setattr(gl, "_wait_ended", ended)
+    stub_waits(monkeypatch)
 
     async def connect(path: str) -> _Client:
         clients.append(_Client(log))
         return clients[-1]
 
-    return GuestLink("abcdefghjkm", Path("/nonexistent"), _Bridge(), connect=connect)
+    return GuestLink("abcdefghjkm", Path("/nonexistent"), Bridge(), connect=connect)
 
 
 @asynccontextmanager
