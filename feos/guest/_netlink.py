@@ -11,7 +11,11 @@ import errno
 import os
 import socket
 import struct
-from typing import NamedTuple
+from operator import itemgetter
+
+TYPE_CHECKING = False  # mypy takes it as true; typing (and the re it imports) costs the start
+if TYPE_CHECKING:
+    from typing import Any, NamedTuple
 
 # nlmsghdr types and flags
 NLMSG_NOOP, NLMSG_ERROR, NLMSG_DONE, NLMSG_OVERRUN = 1, 2, 3, 4
@@ -50,6 +54,61 @@ ERR = struct.Struct("=i")
 
 class Malformed(ValueError):
     """Bytes that are not the netlink messages they claim to be."""
+
+
+class _RecordType(type):
+    """What typing.NamedTuple makes of `class X(Record)` and its annotated fields: a tuple whose
+    fields are read-only properties, the class's values their defaults. Cheap to define (no code
+    compiled, unlike collections.namedtuple) and without typing's import."""
+
+    def __new__(mcls, name: str, bases: tuple[type, ...], ns: dict[str, Any]) -> _RecordType:
+        if bases != (tuple,):  # a record, not Record itself
+            fields = tuple(ns.get("__annotations__", ()))  # the names: their types stay strings
+            defaults = {f: ns.pop(f) for f in fields if f in ns}
+            ns.update({f: property(itemgetter(i), doc=f"field {i}") for i, f in enumerate(fields)})
+            ns.update(_fields=fields, _field_defaults=defaults)
+        ns["__slots__"] = ()
+        return super().__new__(mcls, name, bases, ns)
+
+
+class Record(tuple, metaclass=_RecordType):  # type: ignore[type-arg]
+    """The base of the records of this module and _system at run time; mypy sees them as
+    typing.NamedTuple's (NamedTuple is Record but under TYPE_CHECKING)."""
+
+    _fields: tuple[str, ...] = ()
+    _field_defaults: dict[str, object] = {}  # noqa: RUF012
+
+    def __new__(cls, *args: object, **kwargs: object) -> Record:
+        if kwargs or len(args) != len(cls._fields):
+            args = cls._complete(args, kwargs)
+        return tuple.__new__(cls, args)
+
+    @classmethod
+    def _complete(cls, args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[object, ...]:
+        rest = cls._fields[len(args) :]
+        if len(args) > len(cls._fields) or not set(kwargs) <= set(rest):
+            raise TypeError(f"{cls.__name__}{cls._fields}: given {args} and {kwargs}")
+        values = {**cls._field_defaults, **kwargs}
+        if not set(rest) <= set(values):
+            raise TypeError(f"{cls.__name__}{cls._fields}: given {args} and {kwargs}")
+        return args + tuple(values[f] for f in rest)
+
+    def __getnewargs__(self) -> tuple[object, ...]:  # for copy and pickle
+        return tuple(self)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f}={v!r}" for f, v in zip(self._fields, self, strict=True))
+        return f"{type(self).__name__}({fields})"
+
+    def _asdict(self) -> dict[str, object]:
+        return dict(zip(self._fields, self, strict=True))
+
+    def _replace(self, **changes: object) -> Record:
+        return type(self)(**{**self._asdict(), **changes})
+
+
+if not TYPE_CHECKING:
+    NamedTuple = Record
 
 
 class Msg(NamedTuple):
