@@ -12,12 +12,17 @@ import fcntl
 import os
 import socket
 import time
-from typing import Any, NamedTuple
 
 from feos.errors import Code, FeosError
 
 from . import _netlink as nl
 from . import _proc
+
+TYPE_CHECKING = False  # mypy takes it as true; typing (and the re it imports) costs the start
+if TYPE_CHECKING:
+    from typing import Any, NamedTuple
+else:
+    NamedTuple = nl.Record  # typing.NamedTuple's class syntax, without typing
 
 FIFREEZE = 0xC0045877
 FITHAW = 0xC0045878
