@@ -7,30 +7,51 @@ under a rootfs).
 
 from __future__ import annotations
 
-import re
 import socket
 
 from feos.errors import FeosError, invalid
 
-_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
-_VOLUME = re.compile(r"[a-z0-9-]{1,63}")
-_ENV_KEY = re.compile(r"[^=\x00]+")
-_COMPONENT = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*")
-_TAG = re.compile(r"\w[\w.-]{0,127}", re.ASCII)
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
-_HOST = re.compile(r"(?:[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")
+TYPE_CHECKING = False  # mypy takes it as true; typing costs the guest's start
+if TYPE_CHECKING:
+    import re
+
+# The patterns, compiled on first use: re's import and their compiling cost the guest's start
+# tens of milliseconds under TCG, and the start checks nothing.
+_PATTERNS = {
+    "name": r"[a-z0-9][a-z0-9-]{0,62}",
+    "volume": r"[a-z0-9-]{1,63}",
+    "env_key": r"[^=\x00]+",
+    "component": r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*",
+    "tag": r"(?a)\w[\w.-]{0,127}",  # (?a): \w of ASCII only
+    "digest": r"sha256:[0-9a-f]{64}",
+    "host": r"(?:[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?",
+    "mac": r"[0-9a-fA-F]{2}(?::[0-9a-fA-F]{2}){5}",
+}
+_compiled: dict[str, re.Pattern[str]] = {}
+
+
+def _full(kind: str, text: str) -> bool:
+    """Whether all of text matches the pattern of that kind."""
+    pattern = _compiled.get(kind)
+    if pattern is None:
+        import re
+
+        pattern = _compiled.setdefault(kind, re.compile(_PATTERNS[kind]))
+    return pattern.fullmatch(text) is not None
+
+
 MAX_ARGS = 4096
 MAX_TEXT = 65536
 
 
 def container_name(field: str, name: str) -> str:
-    if not _NAME.fullmatch(name):
+    if not _full("name", name):
         raise invalid(field, "1 to 63 lowercase letters, digits and -, a letter or digit first")
     return name
 
 
 def volume_name(field: str, name: str) -> str:
-    if not _VOLUME.fullmatch(name):
+    if not _full("volume", name):
         raise invalid(field, "1 to 63 lowercase letters, digits and -")
     return name
 
@@ -50,7 +71,7 @@ def env(field: str, items: list[str]) -> list[str]:
     texts(field, items)
     for i, item in enumerate(items):
         key, sep, _ = item.partition("=")
-        if not sep or not _ENV_KEY.fullmatch(key):
+        if not sep or not _full("env_key", key):
             raise invalid(f"{field}[{i}]", "KEY=VALUE with a non-empty KEY")
     return items
 
@@ -91,7 +112,7 @@ def any_ip(field: str, text: str) -> int:
 
 
 def mac(field: str, text: str) -> str:
-    if not re.fullmatch(r"[0-9a-fA-F]{2}(?::[0-9a-fA-F]{2}){5}", text):
+    if not _full("mac", text):
         raise invalid(field, "a MAC address aa:bb:cc:dd:ee:ff")
     return text.lower()
 
@@ -122,17 +143,17 @@ def reference(field: str, text: str) -> Reference:
     if not text or len(text) > 1024 or text != text.strip():
         raise invalid(field, "an image reference such as registry.example/app:1.2")
     rest, _, digest = text.partition("@")
-    if digest and not _DIGEST.fullmatch(digest):
+    if digest and not _full("digest", digest):
         raise invalid(field, "a digest is sha256: and 64 lowercase hex digits")
     first, slash, remainder = rest.partition("/")
     if slash and ("." in first or ":" in first or first == "localhost"):
-        if not _HOST.fullmatch(first):
+        if not _full("host", first):
             raise invalid(field, f"{first!r} is not a registry host")
         registry, path = first, remainder
     else:
         registry, path = "docker.io", rest
     path, tag = _split_tag(field, path)
-    if not all(_COMPONENT.fullmatch(c) for c in path.split("/")):
+    if not all(_full("component", c) for c in path.split("/")):
         raise invalid(field, f"{path!r} is not a repository (lowercase components joined by /)")
     if registry == "docker.io" and "/" not in path:
         path = f"library/{path}"
@@ -143,7 +164,7 @@ def _split_tag(field: str, path: str) -> tuple[str, str]:
     head, colon, tag = path.rpartition(":")
     if not colon or "/" in tag:
         return path, ""
-    if not _TAG.fullmatch(tag):
+    if not _full("tag", tag):
         raise invalid(field, f"{tag!r} is not a tag")
     return head, tag
 
