@@ -12,7 +12,10 @@ import asyncio
 import os
 import signal
 from collections.abc import Callable
-from typing import Any
+
+TYPE_CHECKING = False  # mypy takes it as true; typing (and the re it imports) costs the start
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class Child:
