@@ -19,13 +19,16 @@ import shutil
 import signal
 import stat
 import time
-from typing import Any
 
 from feos.errors import Code, FeosError
 
 from . import _oci, _proc, _validate
 from ._images import ImageStore, Phases, write_whole
 from ._token import PullToken
+
+TYPE_CHECKING = False  # mypy takes it as true; typing (and the re it imports) costs the start
+if TYPE_CHECKING:
+    from typing import Any
 
 CREATED, RUNNING, STOPPED = "created", "running", "stopped"
 STOP_TIMEOUT = 10.0
