@@ -15,12 +15,15 @@ import asyncio
 import json
 import os
 import time
-from typing import Any
 
 from feos.errors import Code, FeosError
 
 from . import _validate
 from ._token import PullToken
+
+TYPE_CHECKING = False  # mypy takes it as true; typing (and the re it imports) costs the start
+if TYPE_CHECKING:
+    from typing import Any
 
 LAYER_TYPES = {
     "application/vnd.oci.image.layer.v1.tar": "",
