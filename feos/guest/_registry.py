@@ -13,7 +13,6 @@ import json
 import os
 import socket
 import sys
-from typing import TYPE_CHECKING, Any
 
 from feos.errors import Code, FeosError
 
@@ -22,8 +21,10 @@ from ._images import sha256
 from ._token import PullToken
 from ._validate import Reference
 
+TYPE_CHECKING = False  # mypy takes it as true; typing costs the first pull tens of ms under TCG
 if TYPE_CHECKING:
     import urllib.parse  # at run time only for a redirect or a token's realm: 33 ms under TCG
+    from typing import Any
 
 INDEX_TYPES = (
     "application/vnd.oci.image.index.v1+json",
