@@ -23,8 +23,6 @@ with _lean.imports():  # the agent's start under TCG is mostly its imports: see 
     import time
     import traceback
 
-    import capnp  # type: ignore[import-untyped]
-
     from . import _proc
     from ._agent import Agent, Options
 
@@ -71,14 +69,17 @@ def _take_ctrl_alt_del() -> None:
     ctypes.CDLL(None).reboot(0)  # RB_DISABLE_CAD
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, ready: float | None = None) -> int:
+    """ready: when the launcher's interpreter had started (its imports came after)."""
     opts = parse(sys.argv[1:] if argv is None else argv)
     # The clock: CLOCK_MONOTONIC, from the guest's boot (bench/guest_boot.py reads it).
-    print(f"feos-guest: starting (pid {os.getpid()}, at {time.monotonic():.3f} s)", flush=True)
+    since = f", python at {ready:.3f} s" if ready is not None else ""
+    print(f"feos-guest: starting (pid {os.getpid()}, at {time.monotonic():.3f} s{since})",
+          flush=True)  # fmt: skip
     agent = None
     try:
         agent = Agent(opts)
-        asyncio.run(capnp.run(_amain(agent)))
+        asyncio.run(_amain(agent))
     except BaseException as e:
         if not opts.pid1:
             raise

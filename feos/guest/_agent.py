@@ -13,23 +13,26 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
-
-import capnp  # type: ignore[import-untyped]
 
 from feos.errors import Code, FeosError
 
-from . import _proc, _system
+from . import _initramfs, _proc, _system
 from ._containers import Containers
 from ._hello import NODE_POKE, guest_hello
 from ._images import ImageStore
 from ._link import DeviceLink, Link, Pump
-from ._schema import guest
+from ._proto import guest
+from ._rpc import Connection
 from ._service import GuestServer, log
+
+TYPE_CHECKING = False  # typing costs the guest's start: for mypy only
+if TYPE_CHECKING:
+    from typing import Any
 
 AGENT_VERSION = "1"
 VSOCK_HOST_CID = 2
 VSOCK_PORT = 10001
+INITRAMFS_DELAY = 1.0  # after the first attach: the node's first calls come first
 
 
 class Options:
@@ -80,6 +83,7 @@ class Agent:
         self.containers = Containers(opts.data_dir, opts.volumes_dir, self.resolv_conf,
                                      opts.crun_root, opts.crun_cgroups, self.images,
                                      self.reaper)  # fmt: skip
+        self.initramfs = _initramfs.take()  # /init's, once the first session is up
         self.done = asyncio.Event()
         self.reboot = False
         self._shutdown: asyncio.Future[None] | None = None
@@ -142,23 +146,29 @@ class Agent:
 
     async def _session(self, pump: Pump, session: str) -> object:
         ours, theirs = socket.socketpair()
-        stream = await capnp.AsyncIoStream.create_connection(sock=ours)
-        server = capnp.TwoPartyServer(stream, bootstrap=GuestServer(self))
-        node = server.bootstrap().cast_as(guest.NodeService)
+        conn = Connection(ours, GuestServer(self))
+        reading = asyncio.ensure_future(conn.run())
+        reading.add_done_callback(lambda _: ours.close())  # the pump then ends the session
+        node = conn.bootstrap().cast_as(guest.NodeService)
         attach = asyncio.ensure_future(self._attach(node, session))
         try:
             return await pump.session(theirs, NODE_POKE, first_ignored=True)
         finally:
-            attach.cancel()
-            await asyncio.gather(attach, return_exceptions=True)
-            server.close()
-            stream.close()
+            for task in (attach, reading):
+                task.cancel()
+            await asyncio.gather(attach, reading, return_exceptions=True)
+            conn.close()
+            ours.close()
 
     async def _attach(self, node: Any, session: str) -> None:
         try:
             await node.attach(self.version, self.boot_id, session)
         except Exception as e:
             log(f"session {session}: attach failed: {e}")
+            return
+        if self.initramfs is not None:  # the node is there: the boot is done
+            fd, self.initramfs = self.initramfs, None
+            asyncio.get_running_loop().call_later(INITRAMFS_DELAY, _initramfs.release, fd, log)
 
     # What GuestServer asks for -------------------------------------------------------------
 

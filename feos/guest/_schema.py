@@ -16,6 +16,10 @@ import capnp  # type: ignore[import-untyped]
 
 from feos.errors import Code, FeosError
 
+from ._proto import code_name as code_name
+from ._proto import fill_status as fill_status
+from ._proto import raise_status as raise_status
+
 TYPE_CHECKING = False  # mypy takes it as true; typing itself costs the guest's start time
 if TYPE_CHECKING:
     from typing import Any
@@ -95,28 +99,3 @@ def _abstract(schema: Any) -> dict[str, Any]:
 
 
 guest: Any = load("guest.capnp")
-
-
-def code_name(code: Code) -> str:
-    """INVALID_ARGUMENT -> invalidArgument, as schema/common.capnp names the enum's values."""
-    first, *rest = code.name.lower().split("_")
-    return first + "".join(w.capitalize() for w in rest)
-
-
-_BY_NAME = {code_name(c): c for c in Code}
-
-
-def fill_status(status: Any, error: FeosError) -> None:
-    status.code = code_name(error.code)
-    status.message = error.message
-    if error.busy:
-        status.init("vmBusy")
-
-
-def raise_status(status: Any) -> None:
-    """Raises the FeosError a non-ok Status stands for."""
-    name = str(status.code)
-    if name == "ok":
-        return
-    code = _BY_NAME.get(name, Code.UNKNOWN)
-    raise FeosError(code, str(status.message), busy=bool(status._has("vmBusy")))

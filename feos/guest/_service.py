@@ -1,6 +1,7 @@
-"""GuestService on pycapnp: each method reads its request into plain values, checks them, acts,
-and answers with a Status. Nothing a method raises ends the agent: every method is guarded, a
-FeosError becomes its status and anything else INTERNAL, logged on the console with its trace.
+"""GuestService, on the guest's own Cap'n Proto (_rpc): each method reads its request into plain
+values, checks them, acts, and answers with a Status. Nothing a method raises ends the agent:
+every method is guarded, a FeosError becomes its status and anything else INTERNAL, logged on
+the console with its trace.
 """
 
 from __future__ import annotations
@@ -9,14 +10,17 @@ import asyncio
 import time
 import traceback
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from feos.errors import Code, FeosError, invalid
 
 from . import _containers, _system, _validate
-from ._schema import fill_status, guest
+from ._proto import fill_status, guest
 from ._streams import FileStream, PipeStream, ProcessServer
 from ._token import PullToken
+
+TYPE_CHECKING = False  # typing costs the guest's start: for mypy only
+if TYPE_CHECKING:
+    from typing import Any
 
 LOG_STREAMS = {"stdout": "stdout", "stderr": "stderr"}
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
 
 from feos.errors import Code, FeosError
 
 from ._proc import Child, _set
-from ._schema import fill_status, guest
+from ._proto import fill_status, guest
+
+TYPE_CHECKING = False  # typing costs the guest's start: for mypy only
+if TYPE_CHECKING:
+    from typing import Any
 
 DEFAULT_READ = 65536
 MAX_READ = 1 << 20

@@ -188,7 +188,8 @@ def test_oci_config_args_env_and_user() -> None:
 def test_code_names_match_the_schema() -> None:
     import capnp  # noqa: F401
 
-    from feos.guest._schema import _BY_NAME, SCHEMA_DIR
+    from feos.guest._proto import _BY_NAME
+    from feos.guest._schema import SCHEMA_DIR
 
     with open(f"{SCHEMA_DIR}/common.capnp") as f:
         text = f.read()
