@@ -78,12 +78,16 @@ def agent(guest: Guest, work: Path, cmdline: list[str]) -> tuple[float, float]:
 
 def _agent_clock(console: str) -> str:
     """The agent's own times: its start (imports done) and its first hello, since the boot."""
-    found = re.search(r"starting \(pid \d+, at ([0-9.]+) s\)", console)
+    found = re.search(r"starting \(pid \d+, at ([0-9.]+) s(?:, python at ([0-9.]+) s)?\)", console)
     hello = re.search(r"hello sent \(at ([0-9.]+) s\)", console)
     if not (found and hello):
         return "no times on the console"
     start, sent = float(found[1]), float(hello[1])
-    return f"agent started {start:.3f} s, hello sent {sent:.3f} s (+{sent - start:.3f})"
+    ready = f"python ready {float(found[2]):.3f} s, " if found[2] else ""
+    init = re.search(r"starting the agent \(at ([0-9.]+) s\)", console)
+    if init:  # /init's exec of the agent (/proc/uptime: to 10 ms)
+        ready = f"exec {float(init[1]):.2f} s, {ready}"
+    return f"{ready}agent started {start:.3f} s, hello sent {sent:.3f} s (+{sent - start:.3f})"
 
 
 def hello_only(guest: Guest, work: Path, cmdline: list[str]) -> tuple[float, float]:
