@@ -207,7 +207,7 @@ def test_network_volume_pull_and_a_container(env: Env) -> None:
     assert got["created"].status == "created"
     assert got["started"].status == "running"
     assert got["logs"] == b"started\n"
-    assert (got["echo"].exit_code, got["echo"].stdout) == (7, b"hi\n")
+    assert (got["echo"].exit_code, got["echo"].stdout) == (7, b"hi\n"), got["echo"]
     ip = got["ip"].stdout.decode()
     assert f"inet {POD_IPV4}/32" in ip
     assert f"inet6 {POD_IPV6}/128" in ip

@@ -145,7 +145,10 @@ class Connection:
         buf = bytearray()
         try:
             while True:
-                data = await self.loop.sock_recv(self.sock, READ_SIZE)
+                try:
+                    data = await self.loop.sock_recv(self.sock, READ_SIZE)
+                except OSError as e:  # a reset: the peer went with our bytes unread
+                    raise EOFError(f"the RPC connection broke: {e}") from e
                 if not data:
                     raise EOFError("the peer closed the RPC connection")
                 buf += data

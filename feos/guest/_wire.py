@@ -568,9 +568,20 @@ class StructBuilder:
         if name.startswith("_"):
             raise AttributeError(name)
         f = self._layout.field(name)
+        if f.kind == "struct" and (f.disc < 0 or self._discriminant() == f.disc):
+            at = self._ptr + f.offset
+            w = int(_WORD.unpack_from(self._b.buf, at * 8)[0])
+            if w:  # set already: the same struct, as pycapnp's builders give it
+                start = at + 1 + _signed30(w)
+                data, ptrs = (w >> 32) & 0xFFFF, w >> 48
+                return StructBuilder(self._b, start * 8, data, start + data, ptrs,
+                                     Layout.of(f.extra))  # fmt: skip
         if f.kind in ("struct", "group"):
             return self.init(name)
         raise AttributeError(f"{self._layout.name}.{name}: builders read back structs only")
+
+    def _discriminant(self) -> int:
+        return int(SCALARS["u16"].unpack_from(self._b.buf, self._data + self._layout.disc * 2)[0])
 
     def init(self, name: str, n: int | None = None) -> Any:
         f = self._layout.field(name)

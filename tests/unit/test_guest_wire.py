@@ -1,0 +1,353 @@
+"""The guest's own Cap'n Proto (feos.guest._wire, _rpc) against pycapnp, the node's.
+
+Messages: what pycapnp builds (one segment, or many with far pointers) reads the same through
+_wire, and what _wire builds reads the same through pycapnp, for hypothesis's values of the
+guest's structs; random bytes end in a WireError, never a hang. RPC: a pycapnp client calls
+servers served by _rpc.Connection over a socketpair (bootstrap, pipelined calls, capabilities in
+results and their release, exceptions, unknown methods), and _rpc calls a pycapnp server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from typing import Any
+
+import capnp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from feos.guest import _layout, _rpc, _wire
+from feos.guest._proto import guest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PY = capnp.load(f"{REPO}/schema/guest.capnp", imports=[f"{REPO}/schema"])
+RPC = capnp.load(
+    os.path.join(os.path.dirname(capnp.__file__), "rpc.capnp"),
+    imports=[os.path.dirname(os.path.dirname(capnp.__file__))],
+)
+
+
+def test_the_layout_is_what_the_schema_compiler_says() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("layout", f"{REPO}/packaging/guest/layout.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with open(f"{REPO}/feos/guest/_layout.py") as f:
+        assert f.read() == module.render(module.request()), "run packaging/guest/layout.py"
+
+
+texts = st.text(max_size=40)
+u32 = st.integers(0, 2**32 - 1)
+i64 = st.integers(-(2**63), 2**63 - 1)
+mounts = st.lists(st.fixed_dictionaries({"name": texts, "path": texts, "readOnly": st.booleans()}),
+                  max_size=4)  # fmt: skip
+configs = st.fixed_dictionaries({
+    "name": texts, "image": texts, "command": st.lists(texts, max_size=5),
+    "env": st.lists(texts, max_size=5), "volumeMounts": mounts, "pullToken": texts,
+    "workingDir": texts,
+})  # fmt: skip
+states = st.fixed_dictionaries({
+    "name": texts, "image": texts, "imageDigest": texts,
+    "status": st.sampled_from(["created", "running", "stopped"]), "pid": u32,
+    "exitCode": st.integers(-(2**31), 2**31 - 1), "createdNs": i64, "startedNs": i64,
+    "finishedNs": i64,
+})  # fmt: skip
+
+
+def _py_dict(reader: Any) -> dict[str, Any]:
+    out = reader.to_dict()
+    if "status" in out:
+        out["status"] = str(out["status"])
+    return out  # type: ignore[no-any-return]
+
+
+def _ours(data: bytes, name: str) -> dict[str, Any]:
+    return _wire.Message.from_frame(data).root(_wire.Layout.named(name)).to_dict()
+
+
+def _defaults(value: dict[str, Any], full: dict[str, Any]) -> dict[str, Any]:
+    """pycapnp's to_dict leaves out fields at their defaults: ours has them all."""
+    return {k: v for k, v in full.items() if k in value or v not in ("", 0, [], False)}
+
+
+@given(configs)
+@settings(max_examples=60, deadline=None)
+def test_pycapnp_messages_read_the_same(config: dict[str, Any]) -> None:
+    data = PY.ContainerConfig.new_message(**config).to_bytes()
+    ours = _ours(data, "guest.capnp:ContainerConfig")
+    for m in ours["volumeMounts"]:
+        m.update({k: v for k, v in m.items()})
+    assert ours == config
+
+
+@given(configs, st.integers(1, 6))
+@settings(max_examples=60, deadline=None)
+def test_many_segments_and_far_pointers_read_the_same(config: dict[str, Any], first: int) -> None:
+    builder = capnp._MallocMessageBuilder(first)  # a tiny first segment: the rest go far
+    root = builder.init_root(PY.ContainerConfig)
+    for key, value in config.items():
+        if key == "volumeMounts":
+            out = root.init("volumeMounts", len(value))
+            for i, m in enumerate(value):
+                out[i].name, out[i].path, out[i].readOnly = m["name"], m["path"], m["readOnly"]
+        else:
+            setattr(root, key, value)
+    segments = [bytes(s) for s in builder.get_segments_for_output()]
+    assert len(segments) > 1
+    msg = _wire.Message(segments)
+    assert msg.root(_wire.Layout.named("guest.capnp:ContainerConfig")).to_dict() == config
+
+
+def test_a_double_far_pointer_reads() -> None:
+    """Segment 0: a double far pointer; 1: its landing pad; 2: the struct (hand-made)."""
+    inner = PY.VolumeOutcome.new_message(name="v", mounted=True, error="e").to_segments()[0]
+    body = inner[8:]  # the struct and its texts, after its root pointer
+    tag = int.from_bytes(inner[:8], "little") & ~(0x3FFFFFFF << 2)  # offset 0: the tag word
+    pad = (2 | 1 << 2 | 0 << 3 | 1 << 32).to_bytes(8, "little")  # double far, segment 1, word 0
+    landing = (2 | 0 << 3 | 2 << 32).to_bytes(8, "little") + tag.to_bytes(8, "little")
+    msg = _wire.Message([pad, landing, body])
+    got = msg.root(_wire.Layout.named("guest.capnp:VolumeOutcome")).to_dict()
+    assert got == {"name": "v", "mounted": True, "error": "e"}
+
+
+@given(states)
+@settings(max_examples=80, deadline=None)
+def test_our_messages_read_the_same_through_pycapnp(state: dict[str, Any]) -> None:
+    b = _wire.Builder()
+    root = b.init_root(_wire.Layout.named("guest.capnp:ContainerState"))
+    for key, value in state.items():
+        setattr(root, key, value)
+    with PY.ContainerState.from_bytes(b.frame()) as r:
+        assert _py_dict(r) == _defaults(_py_dict(r), state)
+        assert {k: (str(v) if k == "status" else v) for k, v in
+                ((k, getattr(r, k)) for k in state)} == state  # fmt: skip
+
+
+@given(st.lists(st.fixed_dictionaries({"name": texts, "mounted": st.booleans(), "error": texts}),
+                max_size=5), st.sampled_from(["ok", "invalidArgument", "internal"]), texts)  # fmt: skip
+@settings(max_examples=60, deadline=None)
+def test_lists_of_structs_and_unions_read_through_pycapnp(
+    outcomes: list[dict[str, Any]], code: str, message: str
+) -> None:
+    b = _wire.Builder()
+    root = b.init_root(_wire.Layout.named("guest.capnp:GuestService.mountVolumes$Results"))
+    root.status.code, root.status.message = code, message
+    root.status.init("vmBusy")
+    out = root.init("outcomes", len(outcomes))
+    for target, o in zip(out, outcomes, strict=True):
+        target.name, target.mounted, target.error = o["name"], o["mounted"], o["error"]
+    with _results("mountVolumes").from_bytes(b.frame()) as r:
+        assert [dict(name=x.name, mounted=x.mounted, error=x.error) for x in r.outcomes] == outcomes
+        assert (str(r.status.code), r.status.message) == (code, message)
+        assert r.status._has("vmBusy")
+    m = _wire.Builder()
+    call = m.init_root(_wire.Layout.named("rpc.capnp:Message")).init("call")
+    call.questionId = len(outcomes)
+    call.init("target").init("promisedAnswer").questionId = 7
+    with RPC.Message.from_bytes(m.frame()) as r:
+        assert r.which() == "call" and r.call.target.which() == "promisedAnswer"
+        assert (r.call.questionId, r.call.target.promisedAnswer.questionId) == (len(outcomes), 7)
+
+
+def _results(method: str) -> Any:
+    schema = PY.GuestService.schema.methods[method].result_type
+    return capnp.lib.capnp._StructModule(schema, f"{method}$Results")
+
+
+def test_defaults_and_unions_read_as_the_schema_says() -> None:
+    fin = RPC.Message.new_message()
+    fin.init("finish").questionId = 3
+    got = _ours(fin.to_bytes(), "rpc.capnp:Message")
+    assert got == {"finish": {"questionId": 3, "releaseResultCaps": True,
+                              "requireEarlyCancellationWorkaround": True}}  # fmt: skip
+    b = _wire.Builder()
+    f = b.init_root(_wire.Layout.named("rpc.capnp:Message")).init("finish")
+    f.questionId, f.releaseResultCaps = 3, False
+    with RPC.Message.from_bytes(b.frame()) as r:
+        assert r.finish.releaseResultCaps is False and r.finish.requireEarlyCancellationWorkaround
+
+
+def test_bad_values_are_refused_by_name() -> None:
+    b = _wire.Builder()
+    s = b.init_root(_wire.Layout.named("common.capnp:Status"))
+    with pytest.raises(ValueError, match="no enumerant 'nope'"):
+        s.code = "nope"
+    with pytest.raises(AttributeError, match="no field 'colour'"):
+        s.colour = 1
+
+
+@given(st.binary(max_size=300))
+@settings(max_examples=300, deadline=None)
+def test_random_bytes_end_in_a_wire_error(data: bytes) -> None:
+    try:
+        n = _wire.frame_size(data)
+        if not n or n > len(data):
+            return
+        root = _wire.Message.from_frame(data[:n]).root(_wire.Layout.named("rpc.capnp:Message"))
+        _walk(root)
+    except (_wire.WireError, UnicodeDecodeError):
+        pass
+
+
+def _walk(value: Any) -> None:
+    if isinstance(value, _wire.StructReader):
+        value.to_dict()
+    elif isinstance(value, _wire.ListReader):
+        for v in value:
+            _walk(v)
+
+
+def test_a_pointer_loop_is_refused() -> None:
+    # the root: a Message whose unimplemented member (pointer 0) points back at itself
+    words = [1 << 32 | 1 << 48, 0, (-2 & 0x3FFFFFFF) << 2 | 1 << 32 | 1 << 48]
+    seg = b"".join(w.to_bytes(8, "little") for w in words)
+    root = _wire.Message([seg]).root(_wire.Layout.named("rpc.capnp:Message"))
+    with pytest.raises(_wire.WireError):
+        _walk(root)
+
+
+# RPC ------------------------------------------------------------------------------------------
+
+
+class Stream(guest.ByteStream.Server):  # type: ignore[misc,name-defined]
+    made = 0
+    dropped = 0
+
+    def __init__(self, data: bytes) -> None:
+        Stream.made += 1
+        self.data = data
+
+    async def read_context(self, ctx: Any) -> None:
+        n = int(ctx.params.maxBytes)
+        ctx.results.data, self.data = self.data[:n], self.data[n:]
+        ctx.results.eof = not self.data
+
+    def __del__(self) -> None:
+        Stream.dropped += 1
+
+
+class Service(guest.GuestService.Server):  # type: ignore[misc,name-defined]
+    async def ping_context(self, ctx: Any) -> None:
+        ctx.results.version, ctx.results.uptimeNs = "v1", 5
+
+    async def logs_context(self, ctx: Any) -> None:
+        ctx.results.stream = Stream(f"log of {ctx.params.name}".encode())
+
+    async def setTime_context(self, ctx: Any) -> None:
+        raise RuntimeError("no clock here")
+
+    async def exec_context(self, ctx: Any) -> None:
+        await asyncio.sleep(0.05)  # answers after calls pipelined on it have arrived
+        ctx.results.stdout = Stream(b" ".join(s.encode() for s in ctx.params.command))
+
+
+async def _pair(body: Any, node_bootstrap: Any = None) -> Any:
+    ours, theirs = socket.socketpair()
+    async with capnp.kj_loop():
+        conn = _rpc.Connection(ours, Service())
+        running = asyncio.ensure_future(conn.run())
+        stream = await capnp.AsyncIoStream.create_connection(sock=theirs)
+        peer = (capnp.TwoPartyServer(stream, bootstrap=node_bootstrap) if node_bootstrap
+                else capnp.TwoPartyClient(stream))  # fmt: skip
+        try:
+            return await body(conn, peer)
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            conn.close()
+            ours.close()
+
+
+def test_the_node_calls_through_bootstrap_and_pipelines() -> None:
+    async def body(conn: _rpc.Connection, peer: Any) -> Any:
+        client = peer.bootstrap().cast_as(PY.GuestService)
+        pong = await client.ping()  # pipelined on the bootstrap's question
+        read = await client.logs("web").stream.read(7)  # pipelined on logs' answer
+        rest = await client.logs("db").stream.read(100)
+        out = await client.exec("x", ["echo", "hi"]).stdout.read(100)
+        return pong.version, pong.uptimeNs, read.data, read.eof, rest.data, rest.eof, out.data
+
+    got = asyncio.run(_pair(body))
+    assert got == ("v1", 5, b"log of ", False, b"log of db", True, b"echo hi")
+
+
+def test_returned_capabilities_are_released_when_the_node_drops_them() -> None:
+    async def body(conn: _rpc.Connection, peer: Any) -> Any:
+        client = peer.bootstrap().cast_as(PY.GuestService)
+        await client.ping()
+        before = len(conn.exports)
+        stream = (await client.logs("web")).stream
+        held = len(conn.exports)
+        await stream.read(3)
+        del stream
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if len(conn.exports) == before:
+                break
+        return before, held, len(conn.exports)
+
+    Stream.dropped = Stream.made = 0
+    before, held, after = asyncio.run(_pair(body))
+    assert (held, after) == (before + 1, before)
+    assert Stream.made == 1
+
+
+def test_exceptions_and_unknown_methods_reach_the_node_by_name() -> None:
+    async def body(conn: _rpc.Connection, peer: Any) -> Any:
+        client = peer.bootstrap().cast_as(PY.GuestService)
+        errors = []
+        for call in (lambda: client.setTime(5), lambda: client.shutdown(False)):
+            with pytest.raises(capnp.KjException) as e:
+                await call()
+            errors.append(str(e.value))
+        return errors, await client.ping()
+
+    (failed, unimplemented), pong = asyncio.run(_pair(body))
+    assert "RuntimeError: no clock here" in failed
+    assert "GuestService.shutdown is not implemented" in unimplemented
+    assert pong.version == "v1"  # the connection goes on
+
+
+class Node(PY.NodeService.Server):  # type: ignore[misc,name-defined]
+    seen: list[tuple[str, str, str]] = []
+
+    async def attach(self, version: str, bootId: str, session: str, **kwargs: Any) -> None:
+        Node.seen.append((version, bootId, session))
+
+
+def test_the_guest_calls_the_node_s_bootstrap() -> None:
+    async def body(conn: _rpc.Connection, peer: Any) -> Any:
+        node = conn.bootstrap().cast_as(guest.NodeService)
+        first = await node.attach("v1", "boot", "s1")  # pipelined on the bootstrap
+        second = await node.attach(version="v1", bootId="boot", session="s2")
+        return str(first.status.code), str(second.status.code), node._target[0]
+
+    Node.seen = []
+    got = asyncio.run(_pair(body, node_bootstrap=Node()))
+    assert got == ("ok", "ok", "import")
+    assert Node.seen == [("v1", "boot", "s1"), ("v1", "boot", "s2")]
+
+
+def test_a_closed_connection_fails_what_waits() -> None:
+    async def body() -> Any:
+        ours, theirs = socket.socketpair()
+        conn = _rpc.Connection(ours, Service())
+        running = asyncio.ensure_future(conn.run())
+        node = conn.bootstrap().cast_as(guest.NodeService)
+        waiting = asyncio.ensure_future(node.attach("v", "b", "s"))
+        await asyncio.sleep(0.01)
+        theirs.close()
+        with pytest.raises(EOFError):
+            await running
+        with pytest.raises(_rpc.RpcError, match="ended"):
+            await waiting
+        with pytest.raises(_rpc.RpcError):
+            await node.attach("v", "b", "s")
+        ours.close()
+
+    asyncio.run(body())
