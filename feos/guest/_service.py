@@ -17,6 +17,7 @@ from . import _containers, _system, _validate
 from ._proto import fill_status, guest
 from ._streams import FileStream, PipeStream, ProcessServer
 from ._token import PullToken
+from ._wire import WireError
 
 TYPE_CHECKING = False  # typing costs the guest's start: for mypy only
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ async def guarded(name: str, context: Any, body: Callable[[Any, Any], Awaitable[
         fill_status(context.results.status, e)
     except UnicodeDecodeError as e:
         fill_status(context.results.status, invalid(name, f"text that is not UTF-8 ({e.reason})"))
+    except WireError as e:
+        fill_status(context.results.status, invalid(name, f"a request that does not decode: {e}"))
     except Exception as e:
         log(f"{name} failed: {''.join(traceback.format_exception(e)).rstrip()}")
         fill_status(

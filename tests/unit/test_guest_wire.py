@@ -349,3 +349,51 @@ def test_a_closed_connection_fails_what_waits() -> None:
         ours.close()
 
     asyncio.run(body())
+
+
+def test_parameters_that_do_not_decode_are_invalid_argument() -> None:
+    """A Call to the agent's own service whose text points out of its message."""
+    from types import SimpleNamespace
+
+    from feos.guest._service import GuestServer
+
+    agent = SimpleNamespace(images=SimpleNamespace(pull=None))  # the call never gets there
+
+    async def body() -> Any:
+        ours, theirs = socket.socketpair()
+        conn = _rpc.Connection(ours, GuestServer(agent))
+        running = asyncio.ensure_future(conn.run())
+        b = _wire.Builder()
+        b.init_root(_rpc.MESSAGE).init("bootstrap").questionId = 0
+        theirs.sendall(b.frame())
+        b = _wire.Builder()
+        call = b.init_root(_rpc.MESSAGE).init("call")
+        call.questionId, call.interfaceId = 1, guest.GuestService.id
+        call.methodId = guest.GuestService.method_ids["pullImage"]
+        call.init("target").init("promisedAnswer").questionId = 0
+        content = call.init("params").init_any("content", _wire.Layout.named(
+            "guest.capnp:GuestService.pullImage$Params"))  # fmt: skip
+        b.put_word(content._ptr, _wire._list_pointer(1000, 2, 5))  # reference: out of bounds
+        theirs.sendall(b.frame())
+        theirs.setblocking(False)
+        loop, buf = asyncio.get_running_loop(), b""
+        try:
+            while True:
+                buf += await loop.sock_recv(theirs, 65536)
+                while (n := _wire.frame_size(buf)) and len(buf) >= n:
+                    msg, buf = _wire.Message.from_frame(buf[:n]), buf[n:]
+                    root = msg.root(_rpc.MESSAGE)
+                    if root.which() == "return" and root.__getattr__("return").answerId == 1:
+                        results = root.__getattr__("return").results
+                        return _rpc._struct(results.pointer("content"), _wire.Layout.named(
+                            "guest.capnp:GuestService.pullImage$Results")).status  # fmt: skip
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            conn.close()
+            ours.close()
+            theirs.close()
+
+    status = asyncio.run(body())
+    assert status.code == "invalidArgument"
+    assert "pullImage: a request that does not decode: an object out of segment 0" in status.message
