@@ -1,20 +1,21 @@
-"""The compiled schema of the guest image (feos.guest._schema.load_compiled, build.compile_schemas).
+"""The agent as the guest image lays it out: its own Cap'n Proto, no pycapnp, no site-packages.
 
-The image ships guest.capnp compiled by Debian's capnp (a CodeGeneratorRequest) and the agent
-loads it through pycapnp's SchemaLoader instead of parsing the files. Here: the module it makes
-is the one capnp.load makes (every name, kind, id, field, method and enumerant), and an agent
-started from a root laid out as the image's (feos/, schema/, compiled/, the launcher's sys.path)
-loads it so and serves the node's client.
+The root is made of what the build ships (build.agent_sources: feos/__init__.py, feos/errors.py,
+feos/guest/**, schema/*.capnp) and the launcher (packaging/guest/feos-guest, its directory
+pointed at the test's root). The launcher's interpreter runs as in the guest, python3 -S -E: no
+site-packages, so pycapnp cannot be imported there. Here: the agent's start in that root imports
+nothing from outside it but the standard library, and the agent it starts serves the node's
+client (pycapnp, in the test process).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import shutil
 import subprocess
 import sys
-import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -23,10 +24,10 @@ from typing import Any
 import pytest
 
 from feos.errors import Code, FeosError
-from feos.guest import _schema
 from feos.guest._client import GuestClient, NetworkConfig
 
 REPO = Path(__file__).resolve().parents[2]
+IMAGE_DIR = "/usr/lib/feos-guest"  # the launcher's own idea of where the agent is
 
 
 def _load(name: str, path: Path) -> ModuleType:
@@ -46,78 +47,69 @@ AgentProcess = _load(
 ).AgentProcess
 
 
-def _build() -> ModuleType:
-    return _load("feos_guest_build", REPO / "packaging/guest/build.py")
-
-
 @pytest.fixture(scope="module")
 def image_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A root laid out as the image's /usr/lib/feos-guest: the agent, schema/, compiled/."""
-    if shutil.which("capnp") is None:
-        pytest.fail("no capnp compiler: apt-get install capnproto (hack/packages.apt)")
+    """A root laid out as the image's /usr/lib/feos-guest: what the build ships, the launcher."""
+    build = _load("feos_guest_build", REPO / "packaging/guest/build.py")
     root = tmp_path_factory.mktemp("feos-guest")
-    for src in [REPO / "feos/__init__.py", REPO / "feos/errors.py",
-                *(REPO / "feos/guest").glob("*.py"), *(REPO / "schema").glob("*.capnp")]:  # fmt: skip
-        dst = root / src.relative_to(REPO)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, dst)
-    _build().compile_schemas(REPO, root / "compiled")
+    for dst, src in build.agent_sources(REPO):
+        (root / dst).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, root / dst)
+    launcher = (REPO / "packaging/guest/feos-guest").read_text()
+    assert launcher.count(f'"{IMAGE_DIR}"') == 1, "the launcher names its directory once"
+    (root / "feos-guest").write_text(launcher.replace(f'"{IMAGE_DIR}"', repr(str(root))))
     return root
 
 
-def _shape(module: Any, depth: int = 0) -> dict[str, object]:
-    """What a schema module holds, by name: kinds, ids, fields, methods, enumerants, nesting."""
-    out: dict[str, object] = {}
-    for name, value in sorted(vars(module).items()):
-        if name.startswith("_") or name in ("schema", "Reader", "Builder", "Server"):
-            continue
-        schema = getattr(value, "schema", None)
-        facts: list[object] = [type(value).__name__]
-        if schema is not None:
-            facts.append(schema.node.id)
-            for attr in ("fieldnames", "method_names_inherited", "enumerants"):
-                if hasattr(schema, attr):
-                    got = getattr(schema, attr)
-                    facts.append(sorted(got) if not isinstance(got, dict) else sorted(got.items()))
-        else:
-            facts.append(repr(value))
-        if depth < 6 and hasattr(value, "__dict__"):
-            facts.append(_shape(value, depth + 1))
-        out[name] = facts
-    return out
+# Run as the initramfs runs the launcher (python3 -S -E feos-guest), but for its argv: what
+# follows the launcher's path is AgentProcess's `python -m feos.guest`, cut off here.
+SHIM = """
+import sys
+launcher = sys.argv[1]
+sys.argv = [launcher, *sys.argv[5:]]
+with open(launcher) as f:
+    code = compile(f.read(), launcher, "exec")
+exec(code, {"__name__": "__main__", "__file__": launcher})
+"""
+
+PROBE = """
+import sys, json
+sys.path[0:1] = []
+sys.path.append(sys.argv[1])
+import feos.guest.__main__
+files = {n: getattr(m, "__file__", None) for n, m in list(sys.modules.items())}
+print(json.dumps({"files": files, "path": sys.path}))
+"""
 
 
-def test_the_compiled_schema_makes_the_module_capnp_load_makes(image_root: Path) -> None:
-    compiled = _schema.load("guest.capnp", str(image_root / "compiled"))
-    assert hasattr(compiled, "_loader")  # from the loader, not parsed
-    assert _shape(compiled) == _shape(_schema.guest)
-    assert len(_shape(compiled)) > 5
-    ping = compiled.GuestService.schema.methods["ping"]
-    assert (
-        ping.param_type.node.id
-        == _schema.guest.GuestService.schema.methods["ping"].param_type.node.id
-    )
-
-
-def test_a_compiled_request_without_the_file_is_refused(image_root: Path) -> None:
-    data = (image_root / "compiled/guest.capnp.bin").read_bytes()
-    with pytest.raises(FeosError) as e:
-        _schema.load_compiled(data, "pod.capnp", str(image_root / "compiled/request.capnp"))
-    assert e.value.code == Code.INTERNAL
-
-
-def test_without_compiled_schemas_the_files_are_parsed(tmp_path: Path) -> None:
-    parsed = _schema.load("guest.capnp", str(tmp_path))  # an empty compiled dir
-    assert not hasattr(parsed, "_loader")
-    assert _shape(parsed) == _shape(_schema.guest)
+def test_the_agents_start_in_the_image_layout_needs_only_the_standard_library(
+    image_root: Path,
+) -> None:
+    assert not (image_root / "site").exists() and not (image_root / "compiled").exists()
+    out = subprocess.run(
+        [sys.executable, "-S", "-E", "-c", PROBE, str(image_root)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    stdlib = [p for p in seen["path"] if p != str(image_root)]
+    assert not [p for p in stdlib if "site-packages" in p]
+    outside = {
+        name: file
+        for name, file in seen["files"].items()
+        if file and not file.startswith((str(image_root), *stdlib))
+    }
+    assert outside == {}
+    assert not [n for n in seen["files"] if n.split(".")[0] == "capnp"]
+    agent = [n for n, f in seen["files"].items() if f and f.startswith(str(image_root))]
+    assert {"feos.guest.__main__", "feos.guest._rpc", "feos.guest._wire"} <= set(agent)
 
 
 @pytest.fixture(scope="module")
 def image_agent(image_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """The agent of image_root, run with the launcher's sys.path (the root, then site-packages)."""
-    site = sysconfig.get_paths()["purelib"]
-    a = AgentProcess(str(tmp_path_factory.mktemp("agent")),
-                     prefix=["env", f"PYTHONPATH={image_root}:{site}"])  # fmt: skip
+    """The agent of image_root, started through its launcher under python3 -S -E."""
+    prefix = [sys.executable, "-S", "-E", "-c", SHIM, str(image_root / "feos-guest")]
+    a = AgentProcess(str(tmp_path_factory.mktemp("agent")), prefix=prefix)
     try:
         yield a
     finally:
@@ -125,24 +117,13 @@ def image_agent(image_root: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         assert "Traceback" not in a.output(), a.output()
 
 
-def test_the_agent_of_the_image_layout_loads_compiled_and_serves(
-    image_root: Path, image_agent: Any
-) -> None:
-    probe = subprocess.run(
-        [sys.executable, "-S", "-E", "-c",
-         "import sys; sys.path[0:0] = sys.argv[1:]; from feos.guest import _schema; "
-         "print(_schema.__file__, hasattr(_schema.guest, '_loader'))",
-         str(image_root), sysconfig.get_paths()["purelib"]],
-        capture_output=True, text=True, check=True, timeout=60,
-    )  # fmt: skip
-    assert probe.stdout.split() == [str(image_root / "feos/guest/_schema.py"), "True"]
-
+def test_the_agent_of_the_image_layout_serves_the_nodes_client(image_agent: Any) -> None:
     async def scenario(c: GuestClient) -> None:
         ping = await c.ping()
         assert ping.boot_id == c.boot_id
         attached = await asyncio.wait_for(c.attached, 5)
         assert attached.session == c.session
-        with pytest.raises(FeosError) as e:  # a Status of common.capnp, through the loader's schema
+        with pytest.raises(FeosError) as e:  # a Status of common.capnp, as the agent writes it
             await c.configure_network(NetworkConfig(ipv6="not-an-address"))
         assert (e.value.code, e.value.message) == (
             Code.INVALID_ARGUMENT,
@@ -150,3 +131,4 @@ def test_the_agent_of_the_image_layout_loads_compiled_and_serves(
         )
 
     image_agent.run(scenario)
+    assert "feos-guest: starting" in image_agent.output()
