@@ -13,10 +13,12 @@ wraps them (feos.guest.__main__ only: the node's side and the tests import as us
 - the asyncio package imports only the submodules the start uses (_lean_asyncio): the others
   (streams, subprocess, queues, ...) load on the first use of a name of theirs, through the
   package's __getattr__ (PEP 562), and `import asyncio.streams` works as before;
-- extension modules (pycapnp's 3 MB of C++) are loaded with RTLD_LAZY: their calls into other
-  libraries are bound on first use, not all 2,600 at once as Python's RTLD_NOW does; and the
-  relative imports Cython tries first for each module pycapnp imports (capnp.lib.os, ...) fail
-  at once instead of searching capnp/lib/;
+- extension modules are loaded with RTLD_LAZY: their calls into other libraries are bound on
+  first use, not all at once as Python's RTLD_NOW does. Of Debian's python3.11 only _asyncio
+  and _contextvars are loaded so on the start (the rest of what it imports is built in), which
+  makes it worth little now, but it is general and harmless: the standard library's extensions
+  call only libpython and libc, whose symbols are there, so nothing but the moment of binding
+  changes (a missing symbol would fail at its first call, not at the import);
 - the cyclic garbage collector waits: imports make no garbage cycles worth a pass, and the
   objects they leave are frozen (gc.freeze) so that later passes skip them.
 
@@ -50,11 +52,9 @@ LAZY = (
     "hashlib",  # _images: digests, once an image is pulled (it loads libcrypto)
     "tokenize",  # linecache (traceback's): source lines of a traceback
     "textwrap",  # traceback: notes of an exception
-    "inspect",  # asyncio, capnp: iscoroutinefunction, in run_in_executor (not add_signal_handler)
+    "inspect",  # asyncio: iscoroutinefunction, in run_in_executor (not add_signal_handler)
     "linecache",  # traceback (which _asyncio needs at once): source lines
     "locale",  # subprocess: text mode's encoding
-    "random",  # capnp: nothing at its start
-    "base64",  # capnp: to_dict and from_dict of Data
     "subprocess",  # asyncio: its constants only, until a process is started
     "logging",  # asyncio, concurrent.futures: their loggers, for errors and debug mode
     "concurrent.futures",  # asyncio: run_in_executor, wrap_future (it pulls in logging)
@@ -128,23 +128,6 @@ _ASYNCIO_ORDER = (*ASYNCIO_EAGER[:8], "queues", "streams", "subprocess", "tasks"
 # and the order of its __all__, which leaves taskgroups out (Python 3.11's, as it is)
 _ASYNCIO_ALL = (*ASYNCIO_EAGER[:8], "queues", "streams", "subprocess", "tasks", "threads",
                 "timeouts", "transports", "unix_events")  # fmt: skip
-# Cython's modules try each import as relative first (capnp.lib.os, then os), a search of
-# capnp/lib/ each: _NoRelative ends it at once. (A None in sys.modules would not do: Cython takes
-# it for a module, and binds `os` to the package capnp.)
-CYTHON_FIRST = frozenset(f"capnp.lib.{n}" for n in (
-    "array", "asyncio", "base64", "builtins", "collections", "contextlib", "enum", "functools",
-    "importlib", "inspect", "operator", "os", "random", "socket", "sys", "threading",
-    "traceback", "types", "warnings", "weakref",
-))  # fmt: skip
-
-
-class _NoRelative:
-    """A meta path finder first in line: a CYTHON_FIRST name is not there (ImportError)."""
-
-    @staticmethod
-    def find_spec(name: str, path: object = None, target: object = None) -> None:
-        if name in CYTHON_FIRST:
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
 
 class _Lazy(types.ModuleType):
@@ -182,7 +165,6 @@ def imports() -> Iterator[None]:
     flags = sys.getdlopenflags()
     sys.setdlopenflags(os.RTLD_LAZY)
     blocked = [name for name in BLOCKED if name not in sys.modules]
-    sys.meta_path.insert(0, _NoRelative)
     for name in blocked:
         sys.modules[name] = None  # type: ignore[assignment]  # import raises ImportError
     try:
@@ -194,7 +176,6 @@ def imports() -> Iterator[None]:
             _run_asyncio_init()
         yield
     finally:
-        sys.meta_path.remove(_NoRelative)
         for name in blocked:
             if sys.modules.get(name, 0) is None:
                 del sys.modules[name]

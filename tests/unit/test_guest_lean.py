@@ -1,8 +1,8 @@
 """The agent's lean imports (feos.guest._lean) and its signal handlers (feos.guest._proc.on_signal).
 
 The agent's own interpreter is a subprocess started as the image's launcher starts it (python3 -S
--E, the repo and the venv's site-packages put on sys.path by hand), so that nothing the test
-process imported hides what the agent's import does. HTTPS after the block of ssl is checked
+-E, the repo alone put on sys.path by hand, after the standard library: no site-packages, as the
+image has none), so that nothing the test process imported hides what the agent's import does. HTTPS after the block of ssl is checked
 against a real TLS server (trustme's CA, given to OpenSSL by SSL_CERT_FILE).
 """
 
@@ -16,7 +16,6 @@ import signal
 import ssl
 import subprocess
 import sys
-import sysconfig
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,15 +29,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 AGENT = """
 import sys
-sys.path[0:0] = [sys.argv[1], sys.argv[2]]
+sys.path.append(sys.argv[1])
 import feos.guest.__main__  # the agent's imports, as the launcher makes them
 from feos.guest import _lean
 seen = {"ssl": "ssl" in sys.modules, "pending": _lean.pending(), "gc": __import__("gc").isenabled()}
 import http.client
 from feos.guest._registry import Client
 seen["https"] = hasattr(http.client, "HTTPSConnection")
-if len(sys.argv) > 3:
-    conn = Client._connection("https", sys.argv[3])
+if len(sys.argv) > 2:
+    conn = Client._connection("https", sys.argv[2])
     conn.request("GET", "/v2/")
     resp = conn.getresponse()
     seen["status"] = resp.status
@@ -49,10 +48,9 @@ print(json.dumps(seen))
 
 
 def agent_imports(*args: str) -> dict[str, object]:
-    site = sysconfig.get_paths()["purelib"]
     env = {**os.environ, **({"SSL_CERT_FILE": args[1]} if len(args) > 1 else {})}
     out = subprocess.run(
-        [sys.executable, "-S", "-E", "-c", AGENT, str(REPO), site, *args[:1]],
+        [sys.executable, "-S", "-E", "-c", AGENT, str(REPO), *args[:1]],
         capture_output=True, text=True, timeout=60, env=env, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
