@@ -16,7 +16,7 @@ SUITE = "bookworm"
 
 # Debian minbase plus what the agent runs: crun for the containers, e2fsprogs to format volumes,
 # iproute2 for the network it is pushed, util-linux (mount, fstrim), busybox-static for a shell
-# when debugging; libstdc++6 is what the pycapnp wheel links against.
+# when debugging. The agent is pure Python (its Cap'n Proto is its own: feos/guest/_wire, _rpc).
 ROOT_PACKAGES = (
     "python3",
     "crun",
@@ -24,12 +24,9 @@ ROOT_PACKAGES = (
     "iproute2",
     "util-linux",
     "busybox-static",
-    "libstdc++6",
 )
 
 KERNEL_META = "linux-image-amd64"
-
-PYCAPNP = "pycapnp==2.2.4"
 
 # The modules the initramfs loads, in this order of wants; their dependencies come first
 # (modprobe --show-depends). crc32c-intel fails without SSE4.2 and crc32c_generic stands in.
@@ -94,8 +91,6 @@ ROOT_TRIM = (
     "var/lib/apt/lists",
     "var/log",
 )
-
-SITE_TRIM = ("*.cpp", "*.pyx", "*.pxd", "*.h")
 
 
 def mirror_from_sources(text: str, suite: str = SUITE) -> str | None:

@@ -1,15 +1,16 @@
 """Build the guest image from Debian's packages and install it as one guest version.
 
 Run by hack/guest-image (as root). Theory of operation:
-  1. Gather the inputs (the Debian versions apt would take, the pycapnp pin, the hashes of the
-     build's scripts and of the agent's sources); their hash is the version. An installed version
-     with that hash is reused at once.
-  2. Download the kernel and busybox-static .debs and the pycapnp wheel into the work dir's caches
-     (kept by file name, which carries the version), debootstrap the root once per package set.
-  3. Stage a copy of the root: trim it, add kernel modules, the agent and its wheels, compile the
-     bytecode inside the chroot; pack it as erofs. Make the initramfs, the vmlinux, the data volume.
+  1. Gather the inputs (the Debian versions apt would take, the hashes of the build's scripts
+     and of the agent's sources); their hash is the version. An installed version with that hash
+     is reused at once.
+  2. Download the kernel and busybox-static .debs into the work dir's cache (kept by file name,
+     which carries the version), debootstrap the root once per package set.
+  3. Stage a copy of the root: trim it, add kernel modules and the agent (pure Python: nothing
+     of PyPI), compile the bytecode inside the chroot; pack it as erofs. Make the initramfs, the
+     vmlinux, the data volume.
   4. Install the staged files as <prefix>/usr/lib/feos/guest/<version>/ by one rename.
-Everything but the Debian and PyPI registries is offline. Standard library only.
+Everything but the Debian mirror is offline. Standard library only.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import shutil
 import subprocess
 import sys
 import time
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -104,33 +104,9 @@ def gather_inputs(repo: Path) -> dict[str, object]:
         "suite": _plan.SUITE,
         "kernel": [kernel, versions.pop(kernel)],
         "packages": versions,
-        "pycapnp": _plan.PYCAPNP,
         "scripts": {p.name: sha256_file(p) for p in scripts if p.suffix != ".md"},
         "agent": {dst: sha256_file(src) for dst, src in agent_sources(repo)},
-        "capnp": capnp_version(),
     }
-
-
-# The schemas the agent loads compiled (feos/guest/_schema.load): the C++ parser's work is done
-# here, not in the guest's start under TCG.
-COMPILED = ("guest.capnp",)
-
-
-def capnp_version() -> str:
-    """The capnp compiler's version (Debian's capnproto): its output is an input of the image."""
-    if shutil.which("capnp") is None:
-        sys.exit("guest-image: no capnp compiler: apt-get install capnproto (hack/packages.apt)")
-    return run("capnp", "--version", capture=True).strip()
-
-
-def compile_schemas(repo: Path, dest: Path) -> None:
-    """compiled/: each COMPILED schema's CodeGeneratorRequest, and request.capnp to read it."""
-    dest.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(HERE / "request.capnp", dest / "request.capnp")
-    for name in COMPILED:
-        request = subprocess.run(["capnp", "compile", "-I.", "-o-", name], cwd=repo / "schema",
-                                 check=True, stdout=subprocess.PIPE).stdout  # fmt: skip
-        (dest / f"{name}.bin").write_bytes(request)
 
 
 def download_deb(cache: Path, pkg: str, version: str) -> Path:
@@ -183,20 +159,6 @@ def debootstrap(work: Path, mirror_uri: str, packages: dict[str, str]) -> Path:
     return tree
 
 
-def pycapnp_wheel(work: Path) -> Path:
-    cache = work / "wheels"
-    name = _plan.PYCAPNP.replace("==", "-")
-    if not (found := sorted(cache.glob(f"{name}-cp311-*.whl"))):
-        run(sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-            "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
-            "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
-            "--platform", "manylinux2014_x86_64", "-d", cache, _plan.PYCAPNP)
-        found = sorted(cache.glob(f"{name}-cp311-*.whl"))
-    if not found:
-        raise SystemExit(f"guest-image: pip download left no {name} cp311 wheel in {cache}")
-    return found[0]
-
-
 def module_order(kroot: Path, kver: str) -> list[str]:
     """The initramfs modules with their dependencies, in load order, as paths under kroot."""
     outs = [run("modprobe", "-d", kroot, "-S", kver, "--show-depends", m, capture=True)
@@ -204,15 +166,15 @@ def module_order(kroot: Path, kver: str) -> list[str]:
     return [str(Path(p).relative_to(kroot)) for p in _plan.module_load_order(outs)]
 
 
-def base_root(work: Path, tree: Path, kroot: Path, kver: str, wheel: Path) -> Path:
+def base_root(work: Path, tree: Path, kroot: Path, kver: str) -> Path:
     """The root without the agent, kept in the work dir by what makes it.
 
     The agent's sources change most often; what does not depend on them (the trimmed tree, the
-    modules, pycapnp, the standard library's bytecode) is made once per package set and build
-    script, and each build links it (cp -al) rather than copying 250 MB.
+    modules, the standard library's bytecode) is made once per package set and build script,
+    and each build links it (cp -al) rather than copying 250 MB.
     """
     scripts = [sha256_file(HERE / n) for n in ("build.py", "_plan.py")]
-    base = work / f"base-{_plan.tree_key(tree.name, kver, wheel.name, scripts)}"
+    base = work / f"base-{_plan.tree_key(tree.name, kver, scripts)}"
     if (base / ".done").exists():
         return base
     tmp = Path(f"{base}.tmp")
@@ -229,14 +191,8 @@ def base_root(work: Path, tree: Path, kroot: Path, kver: str, wheel: Path) -> Pa
     resolv.symlink_to("../run/resolv.conf")
     log("modules")
     copy_modules(kroot, kver, tmp)
-    site = tmp / "usr/lib/feos-guest/site"
-    with zipfile.ZipFile(wheel) as whl:
-        whl.extractall(site)
-    for pattern in _plan.SITE_TRIM:  # the wheel's Cython sources: 7 MB nothing reads
-        for path in site.rglob(pattern):
-            path.unlink()
-    log("compileall (standard library, pycapnp)")
-    compileall(tmp, "-f", "/usr/lib/python3.11", "/usr/lib/python3", "/usr/lib/feos-guest/site")
+    log("compileall (standard library)")
+    compileall(tmp, "-f", "/usr/lib/python3.11", "/usr/lib/python3")
     (tmp / ".done").touch()
     tmp.rename(base)
     return base
@@ -258,7 +214,6 @@ def stage_root(base: Path, repo: Path, root: Path) -> None:
         (lib / dst).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, lib / dst)
     shutil.copy2(HERE / "feos-guest", lib / "feos-guest")
-    compile_schemas(repo, lib / "compiled")
     log("compileall (agent)")
     compileall(root, "/usr/lib/feos-guest/feos")
 
@@ -351,7 +306,7 @@ def build(repo: Path, work: Path, inputs: dict[str, object], version: str) -> Pa
     make_initramfs(kroot, kver, bbroot, stage)
     tree = debootstrap(work, mirror(), packages)
     log("root")
-    base = base_root(work, tree, kroot, kver, pycapnp_wheel(work))
+    base = base_root(work, tree, kroot, kver)
     stage_root(base, repo, stage / "root.d")
     log("root.erofs")
     run("mkfs.erofs", "--quiet", "-zlz4hc", "--preserve-mtime", "--all-root",

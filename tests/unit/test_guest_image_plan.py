@@ -89,6 +89,36 @@ def test_initramfs_modules_cover_the_contract() -> None:
     assert wanted <= set(plan.INITRAMFS_MODULES)
 
 
+def _build() -> ModuleType:
+    path = _PATH.parent / "build.py"
+    sys.path.insert(0, str(path.parent))  # build.py imports _plan beside it
+    try:
+        spec = importlib.util.spec_from_file_location("feos_guest_build_plan", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(path.parent))
+
+
+def test_the_inputs_are_debians_packages_the_scripts_and_the_agent_alone() -> None:
+    """What makes the version (apt's candidates, through the host's apt-cache): nothing of PyPI
+    and no schema compiler since the agent speaks its own Cap'n Proto."""
+    repo = _PATH.parents[2]
+    inputs = _build().gather_inputs(repo)
+    assert set(inputs) == {"suite", "kernel", "packages", "scripts", "agent"}
+    assert list(inputs["packages"]) == list(plan.ROOT_PACKAGES)
+    assert inputs["kernel"][0].startswith("linux-image-")
+    scripts = inputs["scripts"]
+    assert {"build.py", "_plan.py", "init", "feos-guest", "guest-image"} <= set(scripts)
+    assert "README.md" not in scripts and "request.capnp" not in scripts
+    agent = inputs["agent"]
+    assert {"feos/errors.py", "feos/guest/__main__.py", "feos/guest/_wire.py",
+            "feos/guest/_rpc.py", "feos/guest/_layout.py"} <= set(agent)  # fmt: skip
+    assert all(k.startswith(("feos/", "schema/")) for k in agent)
+
+
 @given(st.dictionaries(st.text(), st.text() | st.integers()))
 def test_version_is_twelve_hex_digits_and_depends_on_the_inputs_alone(inputs: dict) -> None:  # type: ignore[type-arg]
     version = plan.input_version(inputs)
