@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -52,7 +53,7 @@ class CapnpThread:
         """Run the asyncio coroutine fn(*args) on the Cap'n Proto thread; wait for it in trio."""
         if self._closed:
             raise FeosError(Code.UNAVAILABLE, STOPPING)
-        future = asyncio.run_coroutine_threadsafe(fn(*args), self.loop)
+        future = asyncio.run_coroutine_threadsafe(_scrubbed(fn(*args)), self.loop)
         done = trio.Event()
         future.add_done_callback(lambda _f: self._wake(done))
         try:
@@ -157,6 +158,28 @@ class CapnpThread:
                 pass
         if self._thread is not None:
             await trio.to_thread.run_sync(self._thread.join)
+
+
+async def _scrubbed(coro: Coroutine[Any, Any, T]) -> T:
+    """coro's result; what it raises leaves without the locals of its frames.
+
+    Those hold Cap'n Proto readers and clients, which must be freed on this thread: freed on
+    trio's (by the cyclic GC, say, once the exception is part of a cycle there) they abort the
+    process ("No event loop is running on this thread", from KJ). So each frame of the
+    exception's traceback, and of those it chains, is cleared here, and the one raised carries
+    no traceback of this thread: its message says what failed.
+    """
+    try:
+        return await coro
+    except BaseException as e:
+        seen: set[int] = set()
+        link: BaseException | None = e
+        while link is not None and id(link) not in seen:
+            seen.add(id(link))
+            traceback.clear_frames(link.__traceback__)
+            link = link.__cause__ or link.__context__
+        e.with_traceback(None)
+        raise
 
 
 @asynccontextmanager

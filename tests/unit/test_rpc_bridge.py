@@ -34,6 +34,38 @@ async def test_call_raises_what_the_coroutine_raised() -> None:
         assert caught.value.code is Code.NOT_FOUND
 
 
+class _Freed:
+    """Says on which thread it was freed (a Cap'n Proto reader must be freed on "capnp")."""
+
+    def __init__(self, where: list[str]) -> None:
+        self.where = where
+
+    def __del__(self) -> None:
+        self.where.append(threading.current_thread().name)
+
+
+async def test_what_a_failed_call_held_is_freed_on_the_capnp_thread() -> None:
+    where: list[str] = []
+    async with capnp_thread() as bridge:
+
+        async def inner() -> None:
+            held = _Freed(where)  # as a caller's results reader is, when it raises
+            raise FeosError(Code.INTERNAL, f"failed with {type(held).__name__}")
+
+        async def fail() -> None:
+            try:
+                await inner()
+            except FeosError as e:  # chained: its frames are cleared too
+                raise FeosError(Code.UNAVAILABLE, "the guest broke") from e
+
+        with pytest.raises(FeosError) as caught:
+            await bridge.call(fail)
+        assert caught.value.code is Code.UNAVAILABLE
+        assert caught.value.__traceback__ is not None  # trio's own frames only
+        assert isinstance(caught.value.__cause__, FeosError)
+    assert where == ["capnp"]
+
+
 async def test_cancelling_the_trio_wait_cancels_the_asyncio_task() -> None:
     async with capnp_thread() as bridge:
         cancelled = threading.Event()
