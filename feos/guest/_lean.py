@@ -30,13 +30,18 @@ whatever thread touches it first.
 
 from __future__ import annotations
 
+# The import system's own path finder and module maker, loaded with the interpreter: importlib's
+# package (importlib.machinery, importlib.util) would be one more import of the start.
+import _frozen_importlib  # type: ignore[import-not-found]
+import _frozen_importlib_external  # type: ignore[import-not-found]
 import _thread
 import gc
 import os
 import sys
 import types
 from contextlib import contextmanager
-from importlib.machinery import PathFinder
+
+PathFinder = _frozen_importlib_external.PathFinder
 
 TYPE_CHECKING = False  # mypy takes it as true; typing itself costs the start time
 if TYPE_CHECKING:
@@ -206,9 +211,7 @@ def _make_lazy(name: str) -> None:
 
 
 def _module_from_spec(spec: ModuleSpec) -> types.ModuleType:
-    from importlib._bootstrap import module_from_spec  # importlib.util's, without importlib.util
-
-    return module_from_spec(spec)
+    return _frozen_importlib.module_from_spec(spec)  # type: ignore[no-any-return]
 
 
 def _lean_asyncio() -> bool:
