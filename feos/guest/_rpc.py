@@ -241,10 +241,11 @@ class Connection:
 
     def _on_call(self, m: StructReader) -> None:
         qid = m.questionId
+        target = self._target_now(m.target)  # before a Finish or Release that follows it
         ans = self._new_answer(qid)
         params = m.params
         m._msg.caps = [self._cap_in(d) for d in params.capTable]
-        ans.task = asyncio.ensure_future(self._serve(qid, ans, m, params))
+        ans.task = asyncio.ensure_future(self._serve(qid, ans, m, params, target))
 
     def _new_answer(self, qid: int) -> _Answer:
         if qid in self.answers:
@@ -252,10 +253,11 @@ class Connection:
         ans = self.answers[qid] = _Answer(self.loop)
         return ans
 
-    async def _serve(self, qid: int, ans: _Answer, m: StructReader, params: StructReader) -> None:
+    async def _serve(self, qid: int, ans: _Answer, m: StructReader, params: StructReader,
+                     target: Any) -> None:  # fmt: skip
         b, ret = self._return(qid)
         try:
-            server = await self._target(m.target)
+            server = await self._target(target)
             iface = server._interface
             if m.interfaceId != iface.id or m.methodId >= len(iface.methods):
                 raise RpcError(f"{iface.name} has no method {m.interfaceId:#x}.{m.methodId}",
@@ -336,22 +338,33 @@ class Connection:
             self._release(export, 1)
         ans.exports = []
 
-    async def _target(self, target: StructReader) -> Server:
+    def _target_now(self, target: StructReader) -> Any:
+        """Where a call goes, as it arrives: a server, (an answer, its transform) to wait for, or
+        the RpcError to answer with. The peer may finish the answer or release the export right
+        after the call; the call goes where it was sent all the same."""
         which = target.which()
         if which == "importedCap":
             entry = self.exports.get(target.importedCap)
             if entry is None:
-                raise RpcError(f"no capability {target.importedCap} is exported to the node")
-            return entry[0]  # type: ignore[no-any-return]
+                return RpcError(f"no capability {target.importedCap} is exported to the node")
+            return entry[0]
         pa = target.promisedAnswer
         ans = self.answers.get(pa.questionId)
         if ans is None:
-            raise RpcError(f"a call pipelined on question {pa.questionId}, which has no answer")
+            return RpcError(f"a call pipelined on question {pa.questionId}, which has no answer")
+        ops = [op.getPointerField if op.which() == "getPointerField" else -1 for op in pa.transform]
+        return ans, pa.questionId, ops
+
+    async def _target(self, where: Any) -> Server:
+        if isinstance(where, (Server, RpcError)):
+            if isinstance(where, RpcError):
+                raise where
+            return where
+        ans, qid, ops = where
         await asyncio.shield(ans.done)
         if ans.reader is None:
-            raise RpcError(f"a call pipelined on question {pa.questionId}, which failed")
-        cap = _walk(ans.reader, [op.getPointerField if op.which() == "getPointerField" else -1
-                                 for op in pa.transform])  # fmt: skip
+            raise RpcError(f"a call pipelined on question {qid}, which failed")
+        cap = _walk(ans.reader, ops)
         if not isinstance(cap, Server):
             raise RpcError("a call pipelined on a capability the guest does not host")
         return cap

@@ -351,42 +351,55 @@ def test_a_closed_connection_fails_what_waits() -> None:
     asyncio.run(body())
 
 
-def test_parameters_that_do_not_decode_are_invalid_argument() -> None:
-    """A Call to the agent's own service whose text points out of its message."""
-    from types import SimpleNamespace
+def _frame(fill: Any) -> bytes:
+    b = _wire.Builder()
+    fill(b, b.init_root(_rpc.MESSAGE))
+    return b.frame()
 
-    from feos.guest._service import GuestServer
 
-    agent = SimpleNamespace(images=SimpleNamespace(pull=None))  # the call never gets there
+def _bootstrap(b: Any, m: Any) -> None:
+    m.init("bootstrap").questionId = 0
+
+
+def _call(method: str, bad_text: bool = False) -> Any:
+    def fill(b: Any, m: Any) -> None:
+        call = m.init("call")
+        call.questionId, call.interfaceId = 1, guest.GuestService.id
+        call.methodId = method_id = guest.GuestService.method_ids[method]
+        call.init("target").init("promisedAnswer").questionId = 0
+        params = guest.GuestService.methods[method_id][1]
+        content = call.init("params").init_any("content", _wire.Layout.of(params))
+        if bad_text:  # its first pointer (pullImage's reference): out of the message
+            b.put_word(content._ptr, _wire._list_pointer(1000, 2, 5))
+
+    return fill
+
+
+def _finish_bootstrap(b: Any, m: Any) -> None:
+    m.init("finish").questionId = 0
+
+
+def _answer(server: Any, frames: list[bytes], method: str) -> Any:
+    """Our raw frames to a Connection serving server, sent in one write; the results of q1."""
 
     async def body() -> Any:
         ours, theirs = socket.socketpair()
-        conn = _rpc.Connection(ours, GuestServer(agent))
+        conn = _rpc.Connection(ours, server)
         running = asyncio.ensure_future(conn.run())
-        b = _wire.Builder()
-        b.init_root(_rpc.MESSAGE).init("bootstrap").questionId = 0
-        theirs.sendall(b.frame())
-        b = _wire.Builder()
-        call = b.init_root(_rpc.MESSAGE).init("call")
-        call.questionId, call.interfaceId = 1, guest.GuestService.id
-        call.methodId = guest.GuestService.method_ids["pullImage"]
-        call.init("target").init("promisedAnswer").questionId = 0
-        content = call.init("params").init_any("content", _wire.Layout.named(
-            "guest.capnp:GuestService.pullImage$Params"))  # fmt: skip
-        b.put_word(content._ptr, _wire._list_pointer(1000, 2, 5))  # reference: out of bounds
-        theirs.sendall(b.frame())
+        theirs.sendall(b"".join(frames))
         theirs.setblocking(False)
         loop, buf = asyncio.get_running_loop(), b""
         try:
             while True:
                 buf += await loop.sock_recv(theirs, 65536)
                 while (n := _wire.frame_size(buf)) and len(buf) >= n:
-                    msg, buf = _wire.Message.from_frame(buf[:n]), buf[n:]
-                    root = msg.root(_rpc.MESSAGE)
-                    if root.which() == "return" and root.__getattr__("return").answerId == 1:
-                        results = root.__getattr__("return").results
-                        return _rpc._struct(results.pointer("content"), _wire.Layout.named(
-                            "guest.capnp:GuestService.pullImage$Results")).status  # fmt: skip
+                    root = _wire.Message.from_frame(buf[:n]).root(_rpc.MESSAGE)
+                    buf = buf[n:]
+                    ret = root.__getattr__("return") if root.which() == "return" else None
+                    if ret is not None and ret.answerId == 1:
+                        assert ret.which() == "results", ret
+                        layout = _wire.Layout.named(f"guest.capnp:GuestService.{method}$Results")
+                        return _rpc._struct(ret.results.pointer("content"), layout)
         finally:
             running.cancel()
             await asyncio.gather(running, return_exceptions=True)
@@ -394,6 +407,26 @@ def test_parameters_that_do_not_decode_are_invalid_argument() -> None:
             ours.close()
             theirs.close()
 
-    status = asyncio.run(body())
-    assert status.code == "invalidArgument"
-    assert "pullImage: a request that does not decode: an object out of segment 0" in status.message
+    return asyncio.run(body())
+
+
+def test_a_call_pipelined_then_finished_at_once_is_answered() -> None:
+    """The node's C++ finishes its bootstrap question right after the calls it pipelined on it."""
+    got = _answer(Service(), [_frame(_bootstrap), _frame(_call("ping")),
+                              _frame(_finish_bootstrap)], "ping")  # fmt: skip
+    assert (got.version, got.uptimeNs) == ("v1", 5)
+
+
+def test_parameters_that_do_not_decode_are_invalid_argument() -> None:
+    """A Call to the agent's own service whose text points out of its message."""
+    from types import SimpleNamespace
+
+    from feos.guest._service import GuestServer
+
+    agent = SimpleNamespace(images=SimpleNamespace(pull=None))  # the call never gets there
+    got = _answer(GuestServer(agent), [_frame(_bootstrap), _frame(_call("pullImage", True))],
+                  "pullImage")  # fmt: skip
+    assert got.status.code == "invalidArgument"
+    assert "pullImage: a request that does not decode: an object out of segment 0" in (
+        got.status.message
+    )
