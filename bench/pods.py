@@ -115,11 +115,23 @@ async def create_pods(net: PodNet, ids: list[str]) -> tuple[float, list[float], 
         pod = await trio.to_thread.run_sync(net.ctl_json, "pod", "get", pod_id)
         if pod["state"] != "running":  # the round does not count (a loaded machine: an attach
             print(f"  pod {pod_id} is {pod['state']}: {pod['reason']}", flush=True)  # past 60 s)
+            _why(net, pod_id)
             took = math.nan
         own.append((pod["changedUnixNs"] - pod["createdUnixNs"]) / 1e9)
     for pod_id in ids:
         await trio.to_thread.run_sync(net.ctl, "pod", "delete", pod_id)
     return took, own, steps
+
+
+def _why(net: PodNet, pod_id: str) -> None:
+    """What feosd and the pod's guest said about a pod that did not come up."""
+    said = [line for line in net.feosd.log.read_text(errors="replace").splitlines()
+            if pod_id in line and (" WARNING " in line or " ERROR " in line)]  # fmt: skip
+    serial = net.state_dir / "vms" / "qemu" / pod_id / "serial.log"
+    guest = [line for line in serial.read_text(errors="replace").splitlines()
+             if line.startswith("feos-guest:")] if serial.exists() else []  # fmt: skip
+    for line in said[-5:] + guest[-12:]:
+        print(f"    {line[:300]}", flush=True)
 
 
 async def _steps(watch: trio.Process) -> dict[str, float]:
