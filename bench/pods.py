@@ -28,16 +28,19 @@ under TCG, and feosd serialises only its records and table writes, which are mil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import trio
@@ -118,6 +121,13 @@ async def create_pods(net: PodNet, ids: list[str]) -> tuple[float, list[float], 
             _why(net, pod_id)
             took = math.nan
         own.append((pod["changedUnixNs"] - pod["createdUnixNs"]) / 1e9)
+    if os.environ.get("FEOS_BENCH_KEEP") == "1":  # the guests' consoles, before the deletes
+        kept = net.state_dir.parent / "serial"
+        kept.mkdir(exist_ok=True)
+        for pod_id in ids:
+            log = net.state_dir / "vms" / "qemu" / pod_id / "serial.log"
+            if log.exists():
+                shutil.copy(log, kept / f"{pod_id}.log")
     for pod_id in ids:
         await trio.to_thread.run_sync(net.ctl, "pod", "delete", pod_id)
     return took, own, steps
@@ -214,6 +224,19 @@ def _least(values: list[float]) -> float:
     return min((v for v in values if not math.isnan(v)), default=math.nan)
 
 
+@contextlib.contextmanager
+def _kept_dir(keep: bool) -> Iterator[str]:
+    """A temporary directory, left in place (and named) when keep."""
+    tmp = tempfile.mkdtemp(prefix="feos-bench-pods-", dir="/var/tmp")
+    try:
+        yield tmp
+    finally:
+        if keep:
+            print(f"kept {tmp}", flush=True)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -222,7 +245,8 @@ def main() -> int:
     version, _ = newest_guest(guest_root())
     print(f"guest {version}, QEMU microvm ({os.cpu_count()} cores), 1 vCPU, {MEMORY_MIB} MiB "
           f"each, median of {args.runs}; image {IMAGE}")
-    with tempfile.TemporaryDirectory(prefix="feos-bench-pods-", dir="/var/tmp") as tmp:
+    keep = os.environ.get("FEOS_BENCH_KEEP") == "1"  # the node's and guests' logs stay, to read
+    with _kept_dir(keep) as tmp:
         root = Path(tmp)
         with PodNet(root / "net") as net:
             info = json.loads(net.ctl("--json", "host", "info").stdout)

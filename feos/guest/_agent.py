@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 AGENT_VERSION = "1"
 VSOCK_HOST_CID = 2
 VSOCK_PORT = 10001
-INITRAMFS_DELAY = 1.0  # after the first attach: the node's first calls come first
+INITRAMFS_DELAY = 5.0  # after the first attach: the pod's bring-up comes first
 
 
 class Options:

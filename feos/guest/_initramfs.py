@@ -1,11 +1,12 @@
 """The initramfs's files, removed once the agent is up (what switch_root would have done first).
 
-/init starts the agent by chroot into the root, not switch_root: switch_root removes every file
-of the initramfs before it execs, 0.2 s of the guest's start under TCG, for memory nothing needs
-until later (busybox, the modules: about 5 MB). /init leaves the initramfs's / open as a file
+/init moves the root onto / and chroots there, as switch_root does but for its first step, the
+removal of every file of the initramfs: 0.2 s of the guest's start under TCG, for memory nothing
+needs at once (busybox, the modules: about 5 MB). /init leaves the initramfs's / open as a file
 descriptor and names it in FEOS_INITRAMFS_FD; the agent removes what is under it once its first
-session is attached, on a thread, without crossing into other filesystems (the root is mounted
-at its /root) and without following symbolic links.
+session is attached, on a thread of its own under SCHED_IDLE (it takes only the vCPU's idle
+time: the pod's bring-up goes first), without crossing into other filesystems and without
+following symbolic links.
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ def release(fd: int, log: object = None) -> threading.Thread:
     """Removes the initramfs's files on a daemon thread, then closes fd; says what it did."""
 
     def run() -> None:
+        try:  # this thread alone: it runs only when nothing else in the guest wants the vCPU
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (OSError, AttributeError):
+            pass
         started = time.monotonic()
         try:
             removed, kept = remove_under(fd)
