@@ -354,7 +354,27 @@ def read_pointer(msg: Message, seg: int, at: int, spec: tuple[Any, Any], depth: 
     return ListReader(msg, seg, start, size, count, extra, 0, 0, depth)
 
 
-class ListReader:
+class _List:
+    """What a list reader and a list builder share: a length, iteration, an index checked."""
+
+    __slots__ = ()
+    _n: int
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Any:
+        return (self[i] for i in range(self._n))  # type: ignore[index]
+
+    def _index(self, i: int) -> int:
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        return i
+
+
+class ListReader(_List):
     __slots__ = ("_data", "_depth", "_elem", "_msg", "_n", "_ptrs", "_seg", "_size", "_start")
 
     def __init__(self, msg: Message, seg: int, start: int, size: int, n: int,
@@ -362,17 +382,8 @@ class ListReader:
         self._msg, self._seg, self._start, self._size, self._n = msg, seg, start, size, n
         self._elem, self._data, self._ptrs, self._depth = elem, data, ptrs, depth
 
-    def __len__(self) -> int:
-        return self._n
-
-    def __iter__(self) -> Any:
-        return (self[i] for i in range(self._n))
-
     def __getitem__(self, i: int) -> Any:
-        if i < 0:
-            i += self._n
-        if not 0 <= i < self._n:
-            raise IndexError(i)
+        i = self._index(i)
         kind, extra = self._elem
         size = self._size
         if kind == "struct":
@@ -617,25 +628,12 @@ def _enum_value(enum_id: int, value: Any) -> int:
         raise ValueError(f"{name}: no enumerant {value!r} (one of {', '.join(values)})") from None
 
 
-class ListBuilder:
+class ListBuilder(_List):
     __slots__ = ("_b", "_elem", "_layout", "_n", "_start")
 
     def __init__(self, b: Builder, start: int, n: int, elem: tuple[Any, Any],
                  layout: Layout | None) -> None:  # fmt: skip
         self._b, self._start, self._n, self._elem, self._layout = b, start, n, elem, layout
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __iter__(self) -> Any:
-        return (self[i] for i in range(self._n))
-
-    def _index(self, i: int) -> int:
-        if i < 0:
-            i += self._n
-        if not 0 <= i < self._n:
-            raise IndexError(i)
-        return i
 
     def __getitem__(self, i: int) -> StructBuilder:
         i = self._index(i)

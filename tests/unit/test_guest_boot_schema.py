@@ -11,17 +11,16 @@ client (pycapnp, in the test process).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from _modpath import load
 
 from feos.errors import Code, FeosError
 from feos.guest._client import GuestClient, NetworkConfig
@@ -30,19 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 IMAGE_DIR = "/usr/lib/feos-guest"  # the launcher's own idea of where the agent is
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    sys.path.insert(0, str(path.parent))  # build.py imports _plan beside it
-    try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(path.parent))
-
-
-AgentProcess = _load(
+AgentProcess = load(
     "feos_test_guest_service", REPO / "tests/unit/test_guest_service.py"
 ).AgentProcess
 
@@ -50,7 +37,7 @@ AgentProcess = _load(
 @pytest.fixture(scope="module")
 def image_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A root laid out as the image's /usr/lib/feos-guest: what the build ships, the launcher."""
-    build = _load("feos_guest_build", REPO / "packaging/guest/build.py")
+    build = load("feos_guest_build", REPO / "packaging/guest/build.py")
     root = tmp_path_factory.mktemp("feos-guest")
     for dst, src in build.agent_sources(REPO):
         (root / dst).parent.mkdir(parents=True, exist_ok=True)

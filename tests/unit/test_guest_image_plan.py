@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
+from _modpath import load
 from hypothesis import given
 from hypothesis import strategies as st
 
 _PATH = Path(__file__).resolve().parents[2] / "packaging/guest/_plan.py"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("feos_guest_plan", _PATH)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-plan = _load()
+plan = load("feos_guest_plan", _PATH)
 
 DEB822 = """\
 Types: deb-src
@@ -90,16 +79,7 @@ def test_initramfs_modules_cover_the_contract() -> None:
 
 
 def _build() -> ModuleType:
-    path = _PATH.parent / "build.py"
-    sys.path.insert(0, str(path.parent))  # build.py imports _plan beside it
-    try:
-        spec = importlib.util.spec_from_file_location("feos_guest_build_plan", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(path.parent))
+    return load("feos_guest_build_plan", _PATH.parent / "build.py")
 
 
 def test_the_inputs_are_debians_packages_the_scripts_and_the_agent_alone() -> None:

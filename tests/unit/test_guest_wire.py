@@ -16,6 +16,7 @@ from typing import Any
 
 import capnp
 import pytest
+from _modpath import load
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,12 +32,7 @@ RPC = capnp.load(
 
 
 def test_the_layout_is_what_the_schema_compiler_says() -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("layout", f"{REPO}/packaging/guest/layout.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load("feos_guest_layout_gen", f"{REPO}/packaging/guest/layout.py")
     with open(f"{REPO}/feos/guest/_layout.py") as f:
         assert f.read() == module.render(module.request()), "run packaging/guest/layout.py"
 
