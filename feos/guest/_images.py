@@ -202,7 +202,7 @@ class ImageStore:
 
     def unpack(self, image: Image, dest: str) -> None:
         """Extracts the image's layers into dest in order, applying their whiteouts (blocking)."""
-        from . import _unpack  # tarfile and gzip, only when a container is made
+        from . import _unpack  # only when a container is made
 
         for digest, compression in image.layers:
             _unpack.apply_layer(self.blob_path(digest), compression, dest)

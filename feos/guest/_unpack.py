@@ -1,20 +1,22 @@
 """Unpacking OCI layers into a rootfs, whiteouts applied (blocking; imported when needed).
 
 A layer's whiteouts (.wh.<name>: remove <name> of the layers below; .wh..wh..opq: empty the
-directory of what the layers below put there) are applied before its files are extracted, so
-that its own entries in such a directory stay. Every member must land inside the rootfs, also
-through the symlinks earlier members made, and a hard link must point inside it; device nodes
-are skipped. Modes and numeric owners are kept. (Debian 12's Python 3.11.2 predates tarfile's
-extraction filters, so the checks are here.)
+directory of what the layers below put there) spare what the layer itself puts there, wherever
+they come in its archive. Every member must land inside the rootfs, also through the symlinks
+earlier members made, and a hard link must point inside it; device nodes are skipped. Modes,
+numeric owners (as root) and times are kept. The archive is read in one pass by _tar (not
+tarfile: its import and gzip's cost each pod's first unpack about 0.1 s under TCG).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import tarfile
+import zlib
 
 from feos.errors import Code, FeosError
+
+from . import _tar
 
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
@@ -32,53 +34,116 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
-def _whiteouts(root: str, members: list[tarfile.TarInfo]) -> list[tarfile.TarInfo]:
-    """Applies the layer's whiteouts; returns the members left to extract."""
-    keep = []
-    for m in members:
-        head, base = os.path.split(m.name)
+class _Layer:
+    """One layer's extraction into root: what it made so far, and its parents' real paths."""
+
+    def __init__(self, root: str, blob: str) -> None:
+        self.root, self.blob = root, blob
+        self.made: set[str] = (
+            set()
+        )  # this layer's paths and their parents: its whiteouts spare them
+        self.real: dict[str, str] = {}  # a parent directory's realpath, until a member changes it
+        self.root_owner = os.geteuid() == 0
+
+    def refuse(self, m: _tar.Member, why: str) -> FeosError:
+        layer = os.path.basename(self.blob)[:12]
+        return FeosError(Code.FAILED_PRECONDITION, f"layer {layer}: {m.name!r} {why}")
+
+    def changed(self, path: str) -> None:
+        """What is at path is new: cached real paths through it are stale."""
+        for key in [k for k in self.real if k == path or k.startswith(path + os.sep)]:
+            del self.real[key]
+
+    def place(self, m: _tar.Member) -> str:
+        """The member's path in the rootfs, its directory resolved through the symlinks there."""
+        target = _inside(self.root, m.name)
+        if target is None:
+            raise self.refuse(m, "is outside the rootfs")
+        lexical = os.path.dirname(target)
+        parent = self.real.get(lexical)
+        if parent is None:
+            parent = self.real[lexical] = os.path.realpath(lexical)
+        if parent != self.root and not parent.startswith(self.root + os.sep):
+            raise self.refuse(m, "goes through a link out of the rootfs")
+        if m.type == _tar.HARDLINK and _inside(self.root, m.linkname) is None:
+            raise self.refuse(m, "is a hard link out of the rootfs")
+        return os.path.join(parent, os.path.basename(target))
+
+    def mark(self, target: str) -> None:
+        while target not in self.made and target != self.root:
+            self.made.add(target)
+            target = os.path.dirname(target)
+
+    def whiteout(self, m: _tar.Member, head: str, base: str) -> None:
         if base == OPAQUE:
-            target = _inside(root, head)
-            if target and os.path.isdir(target):
-                for entry in os.listdir(target):
-                    _remove(os.path.join(target, entry))
-        elif base.startswith(WHITEOUT):
-            target = _inside(root, os.path.join(head, base[len(WHITEOUT) :]))
-            if target and target != root:
+            target = _inside(self.root, head)
+            if target and os.path.isdir(target) and not os.path.islink(target):
+                self.clear(target)
+            return
+        target = _inside(self.root, os.path.join(head, base[len(WHITEOUT) :]))
+        if target and target != self.root and target not in self.made:
+            _remove(target)
+            self.changed(target)
+
+    def clear(self, directory: str) -> None:
+        """Empties directory of what the layers below put there (this layer's own stay)."""
+        for entry in os.listdir(directory):
+            path = os.path.join(directory, entry)
+            if path not in self.made:
+                _remove(path)
+                self.changed(path)
+            elif os.path.isdir(path) and not os.path.islink(path):
+                self.clear(path)
+
+    def extract(self, m: _tar.Member) -> None:
+        if m.type in (_tar.CHAR, _tar.BLOCKDEV) or m.name.strip("/") in ("", "."):
+            return
+        head, base = os.path.split(m.name.rstrip("/"))
+        if base == OPAQUE or base.startswith(WHITEOUT):
+            self.whiteout(m, head, base)
+            return
+        target = self.place(m)
+        is_dir = m.type == _tar.DIRECTORY
+        # A file over an earlier layer's directory, or the reverse, replaces it.
+        if target != self.root and os.path.lexists(target):
+            if not (is_dir and os.path.isdir(target) and not os.path.islink(target)):
                 _remove(target)
-        else:
-            keep.append(m)
-    return keep
+                self.changed(target)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if is_dir:
+            os.makedirs(target, exist_ok=True)
+        elif m.type == _tar.SYMLINK:
+            os.symlink(m.linkname, target)
+            self.changed(target)
+        elif m.type == _tar.HARDLINK:
+            os.link(os.path.join(self.root, m.linkname.lstrip("/")), target,
+                    follow_symlinks=False)  # fmt: skip
+        elif m.type == _tar.FIFO:
+            os.mkfifo(target)
+        else:  # regular, contiguous, or a type this does not know: its data, as tarfile does
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with open(fd, "wb", closefd=True) as f:
+                m.copy_to(f.write)
+        self.attributes(m, target)
+        self.mark(target)
 
-
-def _refuse(blob: str, m: tarfile.TarInfo, why: str) -> FeosError:
-    layer = os.path.basename(blob)[:12]
-    return FeosError(Code.FAILED_PRECONDITION, f"layer {layer}: {m.name!r} {why}")
-
-
-def _check(root: str, blob: str, m: tarfile.TarInfo) -> str:
-    """The member's path in the rootfs, its directory resolved through the symlinks there."""
-    target = _inside(root, m.name)
-    if target is None:
-        raise _refuse(blob, m, "is outside the rootfs")
-    parent = os.path.realpath(os.path.dirname(target))
-    if parent != root and not parent.startswith(root + os.sep):
-        raise _refuse(blob, m, "goes through a link out of the rootfs")
-    if m.islnk() and _inside(root, m.linkname) is None:
-        raise _refuse(blob, m, "is a hard link out of the rootfs")
-    return os.path.join(parent, os.path.basename(target))
+    def attributes(self, m: _tar.Member, target: str) -> None:
+        link = m.type == _tar.SYMLINK
+        if self.root_owner:
+            os.chown(target, m.uid, m.gid, follow_symlinks=False)
+        if not link:
+            os.chmod(target, m.mode & 0o7777)
+            os.utime(target, (m.mtime, m.mtime))
 
 
 def apply_layer(blob: str, compression: str, dest: str) -> None:
     root = os.path.realpath(dest)
     os.makedirs(root, exist_ok=True)
-    with tarfile.open(blob, "r:gz" if compression == "gz" else "r:") as tar:
-        for m in _whiteouts(root, tar.getmembers()):
-            if m.ischr() or m.isblk() or (m.name.strip("/") in ("", ".")):
-                continue
-            target = _check(root, blob, m)
-            # A file over an earlier layer's directory, or the reverse, replaces it.
-            if target != root and os.path.lexists(target):
-                if not (m.isdir() and os.path.isdir(target) and not os.path.islink(target)):
-                    _remove(target)
-            tar.extract(m, root, numeric_owner=True)
+    layer = _Layer(root, blob)
+    try:
+        with open(blob, "rb") as f:
+            for m in _tar.members(f, compression == "gz"):
+                layer.extract(m)
+    except (_tar.TarError, zlib.error) as e:
+        raise FeosError(Code.FAILED_PRECONDITION,
+                        f"layer {os.path.basename(blob)[:12]}: {e}") from None  # fmt: skip
