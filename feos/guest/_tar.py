@@ -12,12 +12,15 @@ import zlib
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
     from typing import BinaryIO
 
 BLOCK = 512
 CHUNK = 1 << 16
 REGULAR, HARDLINK, SYMLINK, CHAR, BLOCKDEV, DIRECTORY, FIFO = "0", "1", "2", "3", "4", "5", "6"
+# No data follows these, whatever their size field says; every other type's data does (tarfile's
+# reading: a type it does not know is a regular file).
+NO_DATA = (HARDLINK, SYMLINK, CHAR, BLOCKDEV, DIRECTORY, FIFO)
 MAX_HEADER_DATA = 1 << 20  # a pax or GNU long-name record larger than this is refused
 
 
@@ -76,25 +79,21 @@ class Member:
         self.type = str(fields["type"])
         self.mode, self.uid, self.gid = int(fields["mode"]), int(fields["uid"]), int(fields["gid"])  # type: ignore[call-overload]
         self.size, self.mtime = int(fields["size"]), int(fields["mtime"])  # type: ignore[call-overload]
-        self._left = self.size if self.type in (REGULAR, "7", "\0", "") else 0
-        self._pad = -self.size % BLOCK if self.size else 0
+        self._left = 0 if self.type in NO_DATA else self.size  # as tarfile reads them
+        self._pad = -self._left % BLOCK
 
-    def isreg(self) -> bool:
-        return self.type in (REGULAR, "7", "\0", "")
-
-    def copy_to(self, write: object) -> None:
+    def copy_to(self, write: Callable[[bytes], object]) -> None:
         """The member's data, to write(chunk) (once; skipped if never called)."""
         while self._left:
             chunk = self._stream.exact(min(self._left, CHUNK))
             self._left -= len(chunk)
-            write(chunk)  # type: ignore[operator]
+            write(chunk)
 
     def _finish(self) -> None:
         while self._left:  # what copy_to did not read
             self._left -= len(self._stream.exact(min(self._left, CHUNK)))
-        if self.size and not self.isreg():  # data of a type this does not keep (none in ustar)
-            self._stream.exact(self.size)
-        self._stream.exact(self._pad) if self._pad else None
+        if self._pad:
+            self._stream.exact(self._pad)
 
 
 def _number(field: bytes, what: str) -> int:
@@ -169,7 +168,8 @@ def members(f: BinaryIO, gzip: bool) -> Iterator[Member]:
             if size > MAX_HEADER_DATA:
                 raise TarError(f"an extended header of {size} bytes")
             data = stream.exact(size)
-            stream.exact(-size % BLOCK) if size % BLOCK else None
+            if size % BLOCK:
+                stream.exact(-size % BLOCK)
             if kind == "x":
                 pax = _pax(data)
                 for key, field in (("path", "name"), ("linkpath", "linkname")):

@@ -69,7 +69,8 @@ def _theirs(raw: bytes, gz: bool) -> list[tuple[Any, ...]]:
     got = []
     with tarfile.open(fileobj=io.BytesIO(raw), mode="r:gz" if gz else "r:") as tar:
         for m in tar.getmembers():
-            f = tar.extractfile(m) if m.isreg() else None
+            has_data = m.isreg() or m.type not in tarfile.SUPPORTED_TYPES  # tarfile's own rule
+            f = tar.extractfile(m) if has_data else None
             data = f.read() if f else b""
             got.append((m.name.rstrip("/"), m.type.decode(), m.linkname, m.mode, m.uid, m.gid,
                         int(m.mtime), data))  # fmt: skip
@@ -107,6 +108,23 @@ def test_a_cut_layer_is_a_tar_error() -> None:
     raw = _archive([("a", "file", b"x" * 5000, 0o644, 1)], tarfile.PAX_FORMAT, False)
     with pytest.raises(_tar.TarError, match="ends inside"):
         _read_all(raw[:2048])
+
+
+def test_a_type_it_does_not_know_is_a_file_with_its_data(tmp_path: Path) -> None:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for name, kind, data in (("odd", b"Z", b"its data"), ("dir", tarfile.DIRTYPE, b""),
+                                 ("after", tarfile.REGTYPE, b"next")):  # fmt: skip
+            info = tarfile.TarInfo(name)
+            info.type, info.size, info.mode = kind, len(data), 0o644
+            tar.addfile(info, io.BytesIO(data) if data else None)
+    raw = out.getvalue()
+    assert _ours(raw, False) == _theirs(raw, False)
+    blob = tmp_path / "layer"
+    blob.write_bytes(raw)
+    _unpack.apply_layer(str(blob), "", str(tmp_path / "rootfs"))
+    assert (tmp_path / "rootfs/odd").read_bytes() == b"its data"
+    assert (tmp_path / "rootfs/after").read_bytes() == b"next"
 
 
 def test_hard_links_and_fifos_are_made(tmp_path: Path) -> None:
