@@ -112,14 +112,14 @@ class Client:
 class _Answer:
     """Our answer to one of the peer's questions: done once its Return went out."""
 
-    __slots__ = ("caps", "done", "exports", "finished", "reader", "task")
+    __slots__ = ("caps", "done", "exports", "reader", "release_when_done", "task")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.done: asyncio.Future[None] = loop.create_future()
         self.reader: tuple[Message, int, int] | None = None  # where the Return's content is
         self.caps: list[Any] = []  # what its cap table named, by index
         self.exports: list[int] = []  # the export ids it holds a reference to
-        self.finished = False
+        self.release_when_done = False  # set by a Finish that comes before the Return
         self.task: asyncio.Future[None] | None = None
 
 
@@ -181,7 +181,8 @@ class Connection:
         self.answers.clear()
         self.exports.clear()
         self.export_ids.clear()
-        self.loop.remove_writer(self.sock.fileno()) if self.sock.fileno() >= 0 else None
+        if self.sock.fileno() >= 0:
+            self.loop.remove_writer(self.sock.fileno())
 
     def abort(self, reason: str) -> None:
         b = Builder()
@@ -237,7 +238,7 @@ class Connection:
         b, ret = self._return(qid)
         payload = ret.init("results")
         payload.set_any_cap("content", self.bootstrap_server)
-        self._send_return(qid, b, payload, ans)
+        self._send_return(b, payload, ans)
 
     def _on_call(self, m: StructReader) -> None:
         qid = m.questionId
@@ -276,10 +277,9 @@ class Connection:
             exc = ret.init("exception")
             exc.reason = f"{type(e).__name__}: {e}" if not isinstance(e, RpcError) else str(e)
             exc.type = e.kind if isinstance(e, RpcError) else "failed"
-            ans.done.set_result(None)
             self._finish_answer(ans, b)
             return
-        self._send_return(qid, b, payload, ans)
+        self._send_return(b, payload, ans)
 
     def _return(self, qid: int) -> tuple[Builder, Any]:
         b = Builder()
@@ -288,7 +288,7 @@ class Connection:
         ret.releaseParamCaps = False
         return b, ret
 
-    def _send_return(self, qid: int, b: Builder, payload: Any, ans: _Answer) -> None:
+    def _send_return(self, b: Builder, payload: Any, ans: _Answer) -> None:
         """The Return with its cap table: each of our servers in it exported (one reference)."""
         caps = list(b.caps)
         table = payload.init("capTable", len(caps))
@@ -306,12 +306,13 @@ class Connection:
         kept = Message([b.buf], caps)  # for calls pipelined on it (payload.content: pointer 0)
         ans.reader = (kept, 0, payload._ptr)
         ans.caps = caps
-        ans.done.set_result(None)
         self._finish_answer(ans, b)
 
     def _finish_answer(self, ans: _Answer, b: Builder) -> None:
+        """The answer is done; its Return goes out."""
+        ans.done.set_result(None)
         self.send(b)
-        if ans.finished:  # the peer finished it while it ran: nothing keeps its caps
+        if ans.release_when_done:  # the peer finished it while it ran, releasing its caps
             self._release_answer(ans)
 
     def _export(self, server: Server) -> int:
@@ -356,9 +357,9 @@ class Connection:
         return ans, pa.questionId, ops
 
     async def _target(self, where: Any) -> Server:
-        if isinstance(where, (Server, RpcError)):
-            if isinstance(where, RpcError):
-                raise where
+        if isinstance(where, RpcError):
+            raise where
+        if isinstance(where, Server):
             return where
         ans, qid, ops = where
         await asyncio.shield(ans.done)
@@ -374,7 +375,7 @@ class Connection:
         if ans is None:
             return
         if not ans.done.done():
-            ans.finished = True  # it answers and lets go of its caps when it is done
+            ans.release_when_done = m.releaseResultCaps  # it answers all the same
         elif m.releaseResultCaps:
             self._release_answer(ans)
 
@@ -472,8 +473,7 @@ class Connection:
             target.init("promisedAnswer").questionId = ref
         payload = call.init("params")
         params = payload.init_any("content", Layout.of(param_id))
-        fields = [f for f in Layout.of(param_id).fields]
-        for field, value in zip(fields, args, strict=False):
+        for field, value in zip(Layout.of(param_id).fields, args, strict=False):
             setattr(params, field, value)
         for field, value in kwargs.items():
             setattr(params, field, value)
