@@ -249,14 +249,14 @@ class StructReader:
         return self._msg.word(self._seg, self._ptr + index) if index < self._nptrs else 0
 
     def _get(self, f: Field) -> Any:
+        """The kinds __getattr__ does not read at once: enums, floats, bools, voids, groups and
+        AnyPointers."""
         kind = f.kind
-        st = SCALARS.get(kind)
-        if st is not None:
-            if kind == "enum":
-                return _enum_name(f.extra, self._scalar(st, f.offset * 2, f.default))
-            if kind in ("f32", "f64"):
-                return self._scalar(st, f.offset * st.size, 0)
-            return self._scalar(st, f.offset * st.size, f.default)
+        if kind == "enum":
+            return _enum_name(f.extra, self._scalar(SCALARS["enum"], f.offset * 2, f.default))
+        if kind in ("f32", "f64"):
+            st = SCALARS[kind]
+            return self._scalar(st, f.offset * st.size, 0)
         if kind == "bool":
             byte = f.offset >> 3
             if byte >= self._words * 8:
