@@ -70,8 +70,6 @@ def field(f: Any) -> tuple[Any, ...]:
         return (f.name, disc, "group", 0, f.group.typeId, None)
     kind, extra = type_spec(f.slot.type)
     value = default(kind, f.slot.defaultValue)
-    if kind == "enum" and not isinstance(value, int):
-        value = int(value.raw) if hasattr(value, "raw") else 0
     return (f.name, disc, kind, f.slot.offset, extra, value or None)
 
 
