@@ -39,9 +39,7 @@ class _Layer:
 
     def __init__(self, root: str, blob: str) -> None:
         self.root, self.blob = root, blob
-        self.made: set[str] = (
-            set()
-        )  # this layer's paths and their parents: its whiteouts spare them
+        self.made: set[str] = set()  # its paths and parents: its whiteouts spare them
         self.real: dict[str, str] = {}  # a parent directory's realpath, until a member changes it
         self.root_owner = os.geteuid() == 0
 
@@ -50,24 +48,35 @@ class _Layer:
         return FeosError(Code.FAILED_PRECONDITION, f"layer {layer}: {m.name!r} {why}")
 
     def changed(self, path: str) -> None:
-        """What is at path is new: cached real paths through it are stale."""
-        for key in [k for k in self.real if k == path or k.startswith(path + os.sep)]:
+        """What is at path is new: cached real paths through it, or to it, are stale."""
+
+        def through(p: str) -> bool:
+            return p == path or p.startswith(path + os.sep)
+
+        for key in [k for k, real in self.real.items() if through(k) or through(real)]:
             del self.real[key]
 
-    def place(self, m: _tar.Member) -> str:
-        """The member's path in the rootfs, its directory resolved through the symlinks there."""
-        target = _inside(self.root, m.name)
-        if target is None:
-            raise self.refuse(m, "is outside the rootfs")
-        lexical = os.path.dirname(target)
+    def resolve(self, m: _tar.Member, name: str, outside: str, through: str) -> str:
+        """name's path in the rootfs, its directory resolved through the symlinks there; the
+        member is refused, saying outside or through, when either leaves the rootfs."""
+        path = _inside(self.root, name)
+        if path is None:
+            raise self.refuse(m, outside)
+        lexical = os.path.dirname(path)
         parent = self.real.get(lexical)
         if parent is None:
             parent = self.real[lexical] = os.path.realpath(lexical)
         if parent != self.root and not parent.startswith(self.root + os.sep):
-            raise self.refuse(m, "goes through a link out of the rootfs")
-        if m.type == _tar.HARDLINK and _inside(self.root, m.linkname) is None:
-            raise self.refuse(m, "is a hard link out of the rootfs")
-        return os.path.join(parent, os.path.basename(target))
+            raise self.refuse(m, through)
+        return os.path.join(parent, os.path.basename(path))
+
+    def place(self, m: _tar.Member) -> str:
+        """The member's path in the rootfs (and its hard link's source, checked as well)."""
+        if m.type == _tar.HARDLINK:
+            self.resolve(m, m.linkname, "is a hard link out of the rootfs",
+                         "is a hard link through a link out of the rootfs")  # fmt: skip
+        return self.resolve(m, m.name, "is outside the rootfs",
+                            "goes through a link out of the rootfs")  # fmt: skip
 
     def mark(self, target: str) -> None:
         while target not in self.made and target != self.root:
@@ -116,8 +125,8 @@ class _Layer:
             os.symlink(m.linkname, target)
             self.changed(target)
         elif m.type == _tar.HARDLINK:
-            os.link(os.path.join(self.root, m.linkname.lstrip("/")), target,
-                    follow_symlinks=False)  # fmt: skip
+            source = self.resolve(m, m.linkname, "", "")  # checked by place()
+            os.link(source, target, follow_symlinks=False)
         elif m.type == _tar.FIFO:
             os.mkfifo(target)
         else:  # regular, contiguous, or a type this does not know: its data, as tarfile does

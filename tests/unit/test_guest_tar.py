@@ -189,3 +189,22 @@ def test_a_layer_that_is_not_tar_is_refused_by_name(tmp_path: Path) -> None:
     blob.write_bytes(b"\x1f\x8b" + b"not gzip")
     with pytest.raises(FeosError, match="layer 0123456789ab: "):
         _unpack.apply_layer(str(blob), "gz", str(tmp_path / "rootfs"))
+
+
+def test_a_hard_link_cannot_reach_out_through_a_symlink(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_text("not the image's")
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for name, kind, link in (("out", tarfile.SYMTYPE, str(outside)),
+                                 ("stolen", tarfile.LNKTYPE, "out/secret")):  # fmt: skip
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, link
+            tar.addfile(info)
+    blob = tmp_path / "0123456789abcdef"
+    blob.write_bytes(out.getvalue())
+    with pytest.raises(FeosError, match="'stolen' is a hard link through a link out of the rootfs"):
+        _unpack.apply_layer(str(blob), "", str(tmp_path / "rootfs"))
+    assert not (tmp_path / "rootfs/stolen").exists()
+    assert (outside / "secret").stat().st_nlink == 1
