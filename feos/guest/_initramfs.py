@@ -16,6 +16,10 @@ import stat
 import threading
 import time
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 ENV = "FEOS_INITRAMFS_FD"
 
 
@@ -69,7 +73,7 @@ def remove_under(dirfd: int) -> tuple[int, int]:
     return removed, kept
 
 
-def release(fd: int, log: object = None) -> threading.Thread:
+def release(fd: int, log: Callable[[str], object] | None = None) -> threading.Thread:
     """Removes the initramfs's files on a daemon thread, then closes fd; says what it did."""
 
     def run() -> None:
@@ -82,7 +86,7 @@ def release(fd: int, log: object = None) -> threading.Thread:
             removed, kept = remove_under(fd)
         finally:
             os.close(fd)
-        if callable(log):
+        if log is not None:
             took = time.monotonic() - started
             log(f"the initramfs's files removed: {removed}, kept {kept} ({took:.3f} s)")
 
