@@ -52,7 +52,7 @@ def floor(guest: Guest, work: Path, which: str, cmdline: list[str]) -> float:
 async def _ping(vm: GuestVM) -> tuple[float, float]:
     import capnp  # type: ignore[import-untyped]
 
-    from feos.guest._client import GuestClient
+    from feos.guestlink import GuestClient
 
     async with capnp.kj_loop():
         client = await GuestClient.connect(str(vm.wait_link(30)), deadline=90)
@@ -189,11 +189,11 @@ def main() -> int:
         print(f"guest {guest.version}: {args.script or 'the agent imports'}, {args.runs} rounds")
         return main_script(guest, program, args.runs, cmdline)
     try:
-        import feos.guest._client  # noqa: F401
+        import feos.guestlink  # noqa: F401
 
         boot, to = agent, "the first answered Ping"
     except ImportError:
-        boot, to = hello_only, "the hello line (no node-side client in feos/guest/ yet)"
+        boot, to = hello_only, "the hello line (no node-side client, feos.guestlink, yet)"
     print(f"guest {guest.version} ({guest.manifest['kernel']}), QEMU microvm TCG, 1 vCPU, "
           f"512 MiB, -cpu {CPU or 'default'}, {args.runs} rounds, extra cmdline {cmdline or 'none'}")  # fmt: skip
     shell: list[float] = []

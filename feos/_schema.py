@@ -1,4 +1,9 @@
-"""The Cap'n Proto schemas of schema/, loaded once per process.
+"""The Cap'n Proto schemas of schema/, loaded once per process: the node's one loader.
+
+Every pycapnp user on the node (the API, the records, the guest link's client) loads its schema
+here: pycapnp aborts the process on a file it meets twice under two paths (Duplicate ID), so
+there must be one directory and one import path. The guest's agent does not use pycapnp (its
+layout is generated: feos/guest/_layout.py).
 
 The schema directory is found beside the package (a checkout or an editable install) or where
 FEOS_SCHEMA_DIR says (an installed package ships it as data).
@@ -11,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-import capnp
+import capnp  # type: ignore[import-untyped]
 
 capnp.remove_import_hook()
 
@@ -51,6 +56,10 @@ def network() -> Any:
 
 def host() -> Any:
     return load("host")
+
+
+def guest() -> Any:
+    return load("guest")
 
 
 def api() -> Any:

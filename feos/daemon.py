@@ -30,16 +30,20 @@ from ._host import HostService, own_binary, replace_binary
 from ._lock import take_lock
 from ._sdnotify import notify
 from .errors import FeosError
-from .net import Network, add_network_arguments, network_options_from_args
-from .net._listenfds import DnsSockets, prepare_exec, take_dns_sockets
-from .net._stores import NameTableService, SecurityGroupService
-from .pods._service import PodService
-from .pods._stop import SuspendedForStop
-from .pods._volumes import VolumeService
-from .rpc import CapnpThread, capnp_thread
-from .rpc._server import Cap, listen
-from .rpc._server import serve as serve_interface
-from .vmm._service import MicroVms
+from .net import (
+    DnsSockets,
+    NameTableService,
+    Network,
+    SecurityGroupService,
+    add_network_arguments,
+    network_options_from_args,
+    prepare_exec,
+    take_dns_sockets,
+)
+from .pods import PodService, SuspendedForStop, VolumeService
+from .rpc import Cap, CapnpThread, capnp_thread, listen
+from .rpc import serve as serve_interface
+from .vmm import MicroVms
 
 log = logging.getLogger("feosd")
 
@@ -188,8 +192,8 @@ class Daemon:
         return self.pods.pods_naming_table(table_id) if self.pods is not None else []
 
     def versions(self) -> dict[str, Any]:
-        from .vmm._jail import installed
-        from .vmm._service import guest_root
+        from .vmm import guest_root
+        from .vmm import installed_firecrackers as installed
 
         try:
             firecrackers = [i.version for i in reversed(installed())]
@@ -368,11 +372,11 @@ def _where(sock: socket.socket) -> str:
 
 def vms_cgroups() -> Any:
     """The microVMs' cgroup layout (vms/<id> below feosd's cgroup), prepared; None without one."""
-    from .vmm import _cgroup
+    from .vmm import detect_cgroups, prepare_cgroups
 
     try:
-        layout = _cgroup.detect()
-        _cgroup.prepare(layout)
+        layout = detect_cgroups()
+        prepare_cgroups(layout)
     except (OSError, FeosError) as exc:
         log.warning("the microVMs get no cgroups of their own: %s", exc)
         return None

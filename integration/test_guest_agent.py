@@ -25,7 +25,7 @@ import pytest
 from guestvm import Guest, GuestVM
 
 from feos.errors import Code, FeosError
-from feos.guest import ContainerConfig, GuestClient, NetworkConfig, VolumeMount, VolumeSpec
+from feos.guestlink import ContainerConfig, GuestClient, NetworkConfig, VolumeMount, VolumeSpec
 from feos.vmm._qemu_argv import Tap
 
 REPO = Path(__file__).resolve().parent.parent

@@ -176,7 +176,7 @@ def test_sandboxed_qemu_as_another_user_boots(guest: Guest, tmp_path: Path) -> N
 async def _ping(path: Path) -> str:
     import capnp
 
-    from feos.guest import GuestClient
+    from feos.guestlink import GuestClient
 
     async with capnp.kj_loop():
         client = await GuestClient.connect(str(path), deadline=60)

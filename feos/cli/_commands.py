@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..rpc._client import Client
+from ..rpc import Client
 
 
 class UsageError(Exception):

@@ -18,7 +18,7 @@ from typing import Any
 import capnp
 
 from ..errors import Code, FeosError
-from ..rpc._client import Client
+from ..rpc import Client
 from . import _commands
 from ._pods import ExitWith
 

@@ -12,7 +12,7 @@ from typing import Any
 import capnp
 
 from ..errors import Code, FeosError
-from ..rpc._client import Client, raise_for_status
+from ..rpc import Client, raise_for_status
 from ._commands import Table, UsageError, _noun, _verb, load_file, parse_size
 
 POD_COLUMNS = ["ID", "STATE", "STEP/REASON", "VCPUS", "MEMORY", "IPV6", "IPV4", "CONTAINERS"]
@@ -76,7 +76,7 @@ async def wait_settled(client: Client, pod_id: str, quiet: bool) -> dict[str, An
 def _new_pod_id() -> str:
     # Only when the command line names no ID: feos.pods loads the network's modules, 0.15 s of
     # feosctl's start that a create with an ID would wait for.
-    from ..pods._spec import new_pod_id
+    from ..pods import new_pod_id
 
     return new_pod_id()
 

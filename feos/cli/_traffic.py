@@ -15,7 +15,7 @@ from typing import Any
 import capnp  # type: ignore[import-untyped]
 
 from ..errors import Code, FeosError
-from ..rpc._client import Client, raise_for_status
+from ..rpc import Client, raise_for_status
 
 PROTOCOLS = {1: "icmp", 6: "tcp", 17: "udp", 58: "icmpv6", 132: "sctp"}
 QTYPES = {1: "A", 2: "NS", 5: "CNAME", 6: "SOA", 12: "PTR", 15: "MX", 16: "TXT", 28: "AAAA",

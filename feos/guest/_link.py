@@ -1,5 +1,8 @@
 """The guest link's byte pump on asyncio, shared by the agent and the node's client.
 
+It imports nothing of either end's RPC system (and nothing of the agent but _hello): the node's
+client (feos.guestlink) takes Link and Pump through feos.guest's public names.
+
 Each end's Cap'n Proto RPC system talks to one end of a socketpair; the pump copies between the
 other end and the link, watching the link's direction through a Scanner so that a hello or poke
 at a message boundary ends the session (the RPC system sees its stream close) instead of reaching
@@ -15,9 +18,13 @@ import select
 import socket
 
 from ._hello import Hello, Scanner
-from ._proc import _set
 
 CHUNK = 65536
+
+
+def _set(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class Link:

@@ -1,6 +1,7 @@
 """The guest's side of schema/guest.capnp on its own Cap'n Proto (_wire, _rpc): `guest`, whose
-interfaces' Server classes the agent implements, and the Status <-> FeosError conversions that
-both ends use (feos.guest._schema, the node's, re-exports them).
+interfaces' Server classes the agent implements, and the agent's Status <-> FeosError
+conversions. The node has its own of both (feos._schema's pycapnp load, feos.rpc's
+raise_for_status): it imports nothing of this module.
 """
 
 from __future__ import annotations

@@ -1,12 +1,18 @@
 """feos.net: the pods' network (docs/network.md).
 
 `Network` is the one service feosd runs (feos.pods' PodNetworkService); `TrafficService` serves
-its records. The parts below it are offered for the daemon, the pod service and the tests
-(the table compiler's own PodNet stays feos.net._nft.PodNet: the contract's is feos.pods').
+its records. PodNet, Link, GuestNetwork and PodsView are the contract between the pods and their
+network, which the network provides and feos.pods consumes (feos.net imports nothing of
+feos.pods). The parts below it are offered for the daemon, the pod service and the tests (the
+table compiler's own PodNet stays feos.net._nft.PodNet, not offered here).
 """
 
 from ._addresses import Ipv4Allocator as Ipv4Allocator
 from ._addresses import Ipv6Allocator as Ipv6Allocator
+from ._contract import GuestNetwork as GuestNetwork
+from ._contract import Link as Link
+from ._contract import PodNet as PodNet
+from ._contract import PodsView as PodsView
 from ._dnscache import AnswerCache as AnswerCache
 from ._dnsserver import DnsCounters as DnsCounters
 from ._dnsserver import DnsServer as DnsServer
@@ -37,6 +43,7 @@ from ._mmds import validate_metadata as validate_metadata
 from ._nametable import NameTable as NameTable
 from ._nametable import NameTableDelta as NameTableDelta
 from ._nametable import apply_delta as apply_delta
+from ._nametable import is_label as is_label
 from ._nametable import lookup_name as lookup_name
 from ._nft import NodeFacts as NodeFacts
 from ._nft import Table as Table

@@ -31,9 +31,9 @@ import attrs
 import trio
 
 from feos.errors import Code, FeosError, invalid
-from feos.pods._network import GuestNetwork, Link, PodNet, PodsView
 
 from ._addresses import Ipv4Allocator, Ipv6Allocator
+from ._contract import GuestNetwork, Link, PodNet, PodsView
 from ._dnscache import AnswerCache
 from ._dnsresolver import PodDns, QueryRecord
 from ._dnsserver import DnsServer
@@ -87,7 +87,7 @@ OLD_NAT64_MAPS = Path("/sys/fs/bpf/feos/nat64")
 
 
 class Network:
-    """The pods' network (feos.pods._network.PodNetworkService)."""
+    """The pods' network (feos.pods' PodNetworkService)."""
 
     def __init__(self, options: NetworkOptions, state_dir: Path, pods: PodsView,
                  groups_store: Any, tables_store: Any, *, netns: str | None = None,

@@ -15,9 +15,9 @@ import attrs
 from pyroute2 import IPRoute  # type: ignore[import-untyped]
 
 from feos.errors import FeosError
-from feos.pods._network import GuestNetwork, PodNet
 
 from . import _nft as nft
+from ._contract import GuestNetwork, PodNet
 from ._dnsmsg import type_name  # the one table of type mnemonics
 from ._dnsresolver import PodDns, QueryRecord
 from ._groups import SecurityGroup

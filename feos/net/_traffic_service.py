@@ -147,7 +147,7 @@ class TrafficService:
 
     async def watch_traffic(self, params: dict[str, Any]) -> dict[str, Any]:
         from feos import _schema
-        from feos.rpc._server import Cap
+        from feos.rpc import Cap
 
         stream = self.open_stream(str(params.get("podId", "")))
         return {"stream": Cap(_schema.network().TrafficStream, stream)}

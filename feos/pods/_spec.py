@@ -18,9 +18,7 @@ from typing import Any
 import attrs
 
 from ..errors import invalid
-from ..net._groups import validate_pod_groups
-from ..net._mmds import validate_metadata
-from ..net._nametable import is_label
+from ..net import is_label, validate_metadata, validate_pod_groups
 
 CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
 LETTERS = "abcdefghjkmnpqrstvwxyz"

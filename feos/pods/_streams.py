@@ -12,7 +12,7 @@ import asyncio
 from typing import Any
 
 from ..errors import Code, FeosError
-from ..rpc._server import on_rpc_thread
+from ..rpc import on_rpc_thread
 
 CHUNK = 64 * 1024
 

@@ -19,7 +19,7 @@ from .. import _schema
 from .._store import Store
 from ..errors import Code, FeosError, invalid
 from ..records import RecordDir
-from ..rpc._server import on_rpc_thread
+from ..rpc import on_rpc_thread
 
 MIB = 1 << 20
 MIN_SIZE = 64 * MIB

@@ -1,23 +1,37 @@
 """Cap'n Proto RPC for feosd: the thread bridge, the API server, and the client feosctl uses.
 
-The bridge's names load on first use (PEP 562): feosctl's client runs on asyncio and imports
-feos.rpc._client only, and the bridge would bring trio into every feosctl start (60 ms).
+The client's names load with the package; the bridge's and the server's on first use (PEP 562):
+feosctl's client runs on asyncio, and the bridge would bring trio into every feosctl start
+(60 ms).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._client import SERVICES as SERVICES
+from ._client import Client as Client
+from ._client import raise_for_status as raise_for_status
+from ._client import translate as translate
+
 if TYPE_CHECKING:
     from ._bridge import CapnpThread as CapnpThread
     from ._bridge import capnp_thread as capnp_thread
+    from ._server import Cap as Cap
+    from ._server import listen as listen
+    from ._server import on_rpc_thread as on_rpc_thread
+    from ._server import serve as serve
+    from ._server import status_dict as status_dict
 
-_LAZY = {"CapnpThread", "capnp_thread"}
+_LAZY = {
+    "CapnpThread": "_bridge", "capnp_thread": "_bridge",
+    "Cap": "_server", "listen": "_server", "on_rpc_thread": "_server", "serve": "_server",
+    "status_dict": "_server",
+}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        from . import _bridge
-
-        return getattr(_bridge, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(__import__(f"{__name__}.{module}", fromlist=[name]), name)

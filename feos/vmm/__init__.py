@@ -4,6 +4,7 @@ MicroVms is the service the pod service calls; a Driver (QEMU here, Firecracker 
 guests) runs one kind of VMM. docs/vmm.md describes both.
 """
 
+from . import _cgroup, _jail
 from ._budget import SuspendBudget as SuspendBudget
 from ._budget import suspend_budget as suspend_budget
 from ._budget import suspend_budget_mib as suspend_budget_mib
@@ -31,4 +32,10 @@ from ._service import Stopped as Stopped
 from ._service import Suspended as Suspended
 from ._service import VmEvent as VmEvent
 from ._service import VmInfo as VmInfo
+from ._service import guest_root as guest_root
 from ._service import newest_guest as newest_guest
+
+# Offered under names that say what they are at the package's level:
+detect_cgroups = _cgroup.detect  # the microVMs' cgroup layout below feosd's
+prepare_cgroups = _cgroup.prepare
+installed_firecrackers = _jail.installed  # the Firecracker releases installed, oldest first

@@ -2,7 +2,7 @@
 
 Theory of operation. One `GuestLink` per microVM runs in the service's nursery. It dials the
 guest link (QEMU's guest.sock) again and again, backing off while there is no VMM, and at once
-when kicked (a start, a resume). A session is the guest client's (feos.guest.GuestClient, on the
+when kicked (a start, a resume). A session is the guest client's (feos.guestlink.GuestClient, on the
 Cap'n Proto thread, reached through the bridge): the agent's hello, then RPC, then its attach.
 After each attach the link pushes the wall time and, when the pod has an address, its network
 configuration, then says so (`on_attach`); after a resume it pings once first instead. While a
@@ -132,9 +132,8 @@ async def connect_poking(path: str, deadline: float = ATTACH_S) -> Any:
     import secrets
     import socket
 
-    from feos.guest._client import GuestClient, SwapLink
-    from feos.guest._hello import GUEST_HELLO, node_poke
-    from feos.guest._link import Pump
+    from feos.guest import GUEST_HELLO, Pump, node_poke
+    from feos.guestlink import GuestClient, SwapLink
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setblocking(False)

@@ -24,7 +24,7 @@ import pytest
 from conftest import Netns, run
 
 from feos.errors import Code, FeosError
-from feos.guest import ContainerConfig, GuestClient, NetworkConfig, VolumeMount, VolumeSpec
+from feos.guestlink import ContainerConfig, GuestClient, NetworkConfig, VolumeMount, VolumeSpec
 
 UNIT = Path(__file__).resolve().parent.parent / "unit"
 

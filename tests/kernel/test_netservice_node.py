@@ -26,10 +26,10 @@ import pytest
 import trio
 
 from feos.errors import Code, FeosError
+from feos.net import PodNet
 from feos.net._options import parse_network_options
 from feos.net._service import Network
 from feos.net._stores import NameTableService, SecurityGroupService
-from feos.pods._network import PodNet
 
 PREFIX = "2001:db8:7::/64"
 OPTIONS = parse_network_options(pod_prefix=PREFIX)

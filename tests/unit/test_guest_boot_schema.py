@@ -23,7 +23,7 @@ import pytest
 from _modpath import load
 
 from feos.errors import Code, FeosError
-from feos.guest._client import GuestClient, NetworkConfig
+from feos.guestlink import GuestClient, NetworkConfig
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE_DIR = "/usr/lib/feos-guest"  # the launcher's own idea of where the agent is

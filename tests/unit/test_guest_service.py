@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from feos.errors import Code, FeosError
-from feos.guest import ContainerConfig, GuestClient, NetworkConfig, VolumeMount, VolumeSpec
-from feos.guest._hello import node_poke
+from feos.guest import node_poke
+from feos.guestlink import ContainerConfig, GuestClient, NetworkConfig, VolumeMount, VolumeSpec
 
 NO_DEVICE_MAC = "02:fe:05:00:00:01"
 
@@ -183,7 +183,7 @@ def test_a_poke_starts_a_new_session_on_the_same_stream(tmp_path: Any) -> None:
     theirs.close()
 
     async def main() -> tuple[str, str, str]:
-        from feos.guest._link import Link
+        from feos.guest import Link
 
         link = Link(ours)
         first = await GuestClient._start(link)

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from feos.errors import Code, FeosError
+from feos.net import PodNet
 from feos.net._dnsresolver import PodDns, QueryRecord
 from feos.net._groups import SecurityGroup
 from feos.net._nft import render_full
@@ -28,7 +29,6 @@ from feos.net._service_model import (
     pod_addresses,
     table_pods,
 )
-from feos.pods._network import PodNet
 
 OPTIONS = parse_network_options(pod_prefix="2001:db8:1::/64")
 V4, V6 = ipaddress.IPv4Address, ipaddress.IPv6Address

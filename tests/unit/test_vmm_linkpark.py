@@ -18,8 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_vmm_guestlink import Bridge, stub_waits
 
-from feos.guest._client import SwapLink
-from feos.guest._hello import Frames, node_poke
+from feos.guest import Frames, node_poke
+from feos.guestlink import SwapLink
 from feos.vmm._guestlink import GuestLink
 
 
@@ -361,7 +361,7 @@ def _agent(tmp_path: Path) -> tuple[Any, socket.socket]:
 def test_a_real_agents_session_goes_on_over_the_next_vmms_connection(tmp_path: Path) -> None:
     import capnp  # type: ignore[import-untyped]
 
-    from feos.guest._client import GuestClient
+    from feos.guestlink import GuestClient
 
     agent, guest_side = _agent(tmp_path)
 

@@ -12,211 +12,34 @@ every call fails with UNAVAILABLE and the caller connects anew.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import secrets
 import socket
-import struct
-import termios
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import attrs
 import capnp  # type: ignore[import-untyped]
 
+from feos import _schema
 from feos.errors import Code, FeosError
+from feos.guest import GUEST_HELLO, Hello, Link, Pump, node_poke
+from feos.rpc import raise_for_status
 
-from ._hello import GUEST_HELLO, Frames, Hello, node_poke
-from ._link import CHUNK, Link, Pump
-from ._schema import guest, raise_status
+from ._swaplink import SwapLink
+from ._values import (
+    Attached,
+    ContainerConfig,
+    ContainerState,
+    ExecResult,
+    NetworkConfig,
+    Ping,
+    VolumeOutcome,
+    VolumeSpec,
+)
 
 CONNECT_DEADLINE = 5.0
 POKE_AFTER = 1.0
-PARK_POLL_S = 0.002
 
-
-def _unread(sock: socket.socket) -> int:
-    """Bytes this end sent that the peer (QEMU) has not read yet (SIOCOUTQ)."""
-    out = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
-    return int(struct.unpack("i", out)[0])
-
-
-class SwapLink(Link):
-    """The node's end of the link: it sends whole messages only, and can hold a session
-    across the VMM's restart (a suspend, then a resume).
-
-    `park` stops sending at a message boundary and waits until QEMU has read every byte sent
-    (which QEMU reads only into the guest's buffers: then it is in the guest's memory, and in
-    the snapshot). While parked, the end of the old connection (QEMU quit) is not the end of
-    the stream: reads wait for `rebind` with the resumed VMM's connection, and go on there once
-    the old one is read to its end, so the guest's bytes arrive in order. `unpark` sends again;
-    on a parked link whose VMM is gone and that was not rebound, it ends the stream.
-    """
-
-    def __init__(self, sock: socket.socket) -> None:
-        super().__init__(sock)
-        self._frames = Frames()
-        self._open = asyncio.Event()
-        self._open.set()
-        self._sending = False
-        self._parked = False
-        self._next: asyncio.Future[socket.socket | None] | None = None
-
-    @property
-    def parked(self) -> bool:
-        return self._parked
-
-    async def send(self, data: bytes) -> None:
-        whole = self._frames.feed(data)
-        await self._open.wait()
-        if whole:
-            self._sending = True
-            try:
-                await asyncio.get_running_loop().sock_sendall(self.sock, whole)
-            finally:
-                self._sending = False
-
-    async def recv(self) -> bytes:
-        while True:
-            sock = self.sock
-            try:
-                data = await asyncio.get_running_loop().sock_recv(sock, CHUNK)
-            except OSError:
-                if not self._parked:
-                    raise
-                data = b""
-            if data or not self._parked:
-                return data
-            if self._next is None:
-                self._next = asyncio.get_running_loop().create_future()
-            waiting = self._next
-            new = await waiting
-            if self._next is waiting:
-                self._next = None
-            if new is None:
-                return b""
-            sock.close()
-            self.sock = new
-
-    async def park(self, within: float) -> bool:
-        """Hold the stream at a boundary until the peer read all of it; False (and sending
-        again) if it did not within `within` seconds."""
-        self._open.clear()
-        if self._next is not None and self._next.done() and self._next.result() is None:
-            self._next = None  # an unpark's end of a stream that was never read
-        try:
-            async with asyncio.timeout(within):
-                # No event says that QEMU has read: SIOCOUTQ is polled (a suspend does it once).
-                while self._sending or _unread(self.sock) > 0:  # noqa: ASYNC110
-                    await asyncio.sleep(PARK_POLL_S)
-        except (TimeoutError, OSError):
-            self._open.set()
-            return False
-        self._parked = True
-        return True
-
-    def rebind(self, sock: socket.socket) -> None:
-        """The resumed VMM's connection: the stream goes on there."""
-        sock.setblocking(False)
-        if self._next is None:
-            self._next = asyncio.get_running_loop().create_future()
-        if self._next.done():  # an earlier rebind not taken yet (its VMM never ran)
-            old = self._next.result()
-            if old is not None:
-                old.close()
-            self._next = asyncio.get_running_loop().create_future()
-        self._next.set_result(sock)
-
-    def unpark(self) -> None:
-        self._parked = False
-        self._open.set()
-        waiting = self._next
-        if waiting is not None and not waiting.done():  # a read past the old VMM's end
-            self._next = None
-            waiting.set_result(None)  # the stream ends there
-        # A rebind's connection (done) is the read's to take up, or close()'s.
-
-    def close(self) -> None:
-        if self._next is not None and self._next.done() and self._next.result() is not None:
-            self._next.result().close()  # type: ignore[union-attr]
-        super().close()
-
-
-@attrs.frozen
-class Attached:
-    version: str
-    boot_id: str
-    session: str
-
-
-@attrs.frozen
-class Ping:
-    version: str
-    boot_id: str
-    uptime_ns: int
-
-
-@attrs.frozen
-class NetworkConfig:
-    ipv6: str = ""
-    ipv4: str = ""
-    resolvers: tuple[str, ...] = ()
-    mtu: int = 0
-    mac: str = ""
-
-
-@attrs.frozen
-class VolumeSpec:
-    name: str
-    drive: int
-    size_bytes: int
-    format: bool
-    id: str = ""
-
-
-@attrs.frozen
-class VolumeOutcome:
-    name: str
-    mounted: bool
-    error: str
-
-
-@attrs.frozen
-class VolumeMount:
-    name: str
-    path: str
-    read_only: bool = False
-
-
-@attrs.frozen
-class ContainerConfig:
-    name: str
-    image: str
-    command: tuple[str, ...] = ()
-    env: tuple[str, ...] = ()
-    volume_mounts: tuple[VolumeMount, ...] = ()
-    working_dir: str = ""
-    pull_token: str = attrs.field(default="", repr=False)
-
-
-@attrs.frozen
-class ContainerState:
-    name: str
-    image: str
-    image_digest: str
-    status: str  # created, running, stopped
-    pid: int
-    exit_code: int
-    created_ns: int
-    started_ns: int
-    finished_ns: int
-
-
-@attrs.frozen
-class ExecResult:
-    exit_code: int
-    signal: int
-    stdout: bytes
-    stderr: bytes
+guest: Any = _schema.guest()
 
 
 def _state(s: Any) -> ContainerState:
@@ -237,8 +60,7 @@ async def _call(promise: Any) -> Any:
         result = await promise
     except capnp.KjException as e:
         raise _broken(e) from None
-    raise_status(result.status)
-    return result
+    return raise_for_status(result)
 
 
 class ByteReader:
@@ -305,6 +127,17 @@ class _NodeServer(guest.NodeService.Server):  # type: ignore[misc]
         self.on_attach(Attached(str(p.version), str(p.bootId), str(p.session)))
 
 
+async def _hello(link: Link, pump: Pump, poke_first: bool) -> Hello:
+    """The agent's hello; poked for when none came within a second (or at once)."""
+    if not poke_first:
+        try:
+            return await asyncio.wait_for(pump.next_line(GUEST_HELLO), POKE_AFTER)
+        except TimeoutError:
+            pass  # the agent is in a session it thinks is live (a resume, a quick reconnect)
+    await link.send(node_poke(secrets.token_hex(8)))
+    return await pump.next_line(GUEST_HELLO)
+
+
 class GuestClient:
     """One session with a guest's agent."""
 
@@ -321,14 +154,20 @@ class GuestClient:
     # Connecting -----------------------------------------------------------------------------
 
     @classmethod
-    async def connect(cls, path: str, *, deadline: float = CONNECT_DEADLINE) -> GuestClient:
-        """Dials a Unix socket (QEMU's guest.sock) and starts a session within the deadline."""
+    async def connect(
+        cls, path: str, *, deadline: float = CONNECT_DEADLINE, poke_first: bool = False
+    ) -> GuestClient:
+        """Dials a Unix socket (QEMU's guest.sock) and starts a session within the deadline.
+
+        With poke_first the node pokes at once rather than after a second of silence: a resumed
+        agent is in a session it believes live and says hello only when poked, and a fresh one
+        takes a poke before its session's first message as answered (docs/guest.md)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
             async with asyncio.timeout(deadline):
                 await asyncio.get_running_loop().sock_connect(sock, path)
-                return await cls._start(SwapLink(sock))
+                return await cls._start(SwapLink(sock), poke_first=poke_first)
         except TimeoutError:
             sock.close()
             raise FeosError(
@@ -364,14 +203,10 @@ class GuestClient:
             raise
 
     @classmethod
-    async def _start(cls, link: Link) -> GuestClient:
+    async def _start(cls, link: Link, *, poke_first: bool = False) -> GuestClient:
         pump = Pump(link)
         try:
-            hello = await asyncio.wait_for(pump.next_line(GUEST_HELLO), POKE_AFTER)
-        except TimeoutError:
-            # The agent is in a session it thinks is live (a resume, a quick reconnect): ask.
-            await link.send(node_poke(secrets.token_hex(8)))
-            hello = await pump.next_line(GUEST_HELLO)
+            hello = await _hello(link, pump, poke_first)
         except EOFError:
             raise FeosError(Code.UNAVAILABLE, "the guest link closed before the hello") from None
         client = cls(hello)
