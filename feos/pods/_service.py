@@ -33,8 +33,8 @@ import trio
 from .. import _schema
 from ..errors import Code, FeosError
 from ..records import RecordDir
-from ..rpc._server import Cap
-from ..vmm._driver import VmSpec, VmState
+from ..rpc import Cap
+from ..vmm import VmSpec, VmState
 from . import _lifecycle as lc
 from ._disks import ensure_pod_disk, ensure_volume_disk, pod_disk, remove_pod_disk
 from ._events import EventHub
@@ -294,7 +294,7 @@ class PodService:
         pod = self._pods.get(pod_id)
         if pod is None or pod.spec.network is None or self._network is None or not pod.ipv6:
             return None
-        from ..guest._client import NetworkConfig
+        from ..guestlink import NetworkConfig
 
         config = self._network.guest_network(self._net(pod))
         return NetworkConfig(ipv6=config.ipv6, ipv4=config.ipv4, resolvers=(config.resolver,),
@@ -391,7 +391,7 @@ class PodService:
 
     async def _prepare(self, pod: _Pod) -> VmSpec:
         """The disks and the link: what the microVM is made with."""
-        from ..vmm._service import guest_root, newest_guest
+        from ..vmm import guest_root, newest_guest
 
         try:
             version = self._vms.get(pod.id).guest_version
@@ -453,7 +453,7 @@ class PodService:
     async def _mount_volumes(self, pod: _Pod, guest: Any) -> None:
         if not pod.spec.volumes:
             return
-        from ..guest._client import VolumeSpec as GuestVolume
+        from ..guestlink import VolumeSpec as GuestVolume
 
         asks = []
         for drive, (name, volume_id) in enumerate(pod.spec.volumes, start=1):
@@ -474,7 +474,7 @@ class PodService:
 
     async def _start_containers(self, pod: _Pod, guest: Any, token: str, *,
                                 fresh: bool = False) -> None:
-        from ..guest._client import ContainerConfig, VolumeMount
+        from ..guestlink import ContainerConfig, VolumeMount
 
         have = {} if fresh else {c.name: c for c in await guest.list_containers()}
         for container in pod.spec.containers:

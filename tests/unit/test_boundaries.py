@@ -27,16 +27,8 @@ from _modpath import load
 REPO = Path(__file__).resolve().parents[2]
 FEOS = REPO / "feos"
 
-# Known offenders, for the lead to empty at the merge: feos/pods/_service.py is rewritten in
-# another branch, and its imports are repointed then (to feos.rpc.Cap, feos.vmm's VmSpec,
-# VmState, guest_root, newest_guest, feos.guestlink's NetworkConfig, VolumeSpec,
-# ContainerConfig, VolumeMount). Each entry is (importing module, module imported).
-ALLOWED: set[tuple[str, str]] = {
-    ("feos.pods._service", "feos.rpc._server"),
-    ("feos.pods._service", "feos.vmm._driver"),
-    ("feos.pods._service", "feos.vmm._service"),
-    ("feos.pods._service", "feos.guest._client"),  # gone: feos.guestlink
-}
+# Known offenders: none. Each entry would be (importing module, module imported).
+ALLOWED: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:
