@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-import capnp  # type: ignore[import-untyped]
+import capnp
 
 capnp.remove_import_hook()
 

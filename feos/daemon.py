@@ -255,9 +255,11 @@ class Daemon:
         self.names.load()
 
     def bind(self, inherited: dict[str, socket.socket]) -> None:
-        self.listeners["api"] = inherited.pop("api", None) or bind_unix(self.run_dir / "api.sock")
+        api = inherited.pop("api") if "api" in inherited else bind_unix(self.run_dir / "api.sock")
+        self.listeners["api"] = api
         if self.args.tcp is not None:
-            self.listeners["tcp"] = inherited.pop("tcp", None) or bind_tcp(*self.args.tcp_address)
+            tcp = inherited.pop("tcp") if "tcp" in inherited else bind_tcp(*self.args.tcp_address)
+            self.listeners["tcp"] = tcp
         for sock in inherited.values():
             sock.close()
         # Copies of the listeners for a self-upgrade's exec: asyncio closes its own at the stop.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import sys
 import time
@@ -29,11 +30,13 @@ def pod_row(p: dict[str, Any]) -> list[str]:
 
 def spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.file:
-        spec = load_file(args.file)
-        if not isinstance(spec, dict):
+        loaded = load_file(args.file)
+        if not isinstance(loaded, dict):
             raise UsageError(
                 f"{args.file}: a pod spec is a mapping (vcpus, memoryMib, containers...)")
-        return spec.get("spec", spec) if "spec" in spec and "id" in spec else spec
+        if "spec" in loaded and "id" in loaded:
+            return dict(loaded["spec"])
+        return loaded
     if not args.image:
         raise UsageError("pod create: give a spec file (-f FILE) or --image")
     spec: dict[str, Any] = {
@@ -160,7 +163,9 @@ async def _pump(stream: Any, out: Any, err: Any) -> int:
 async def _feed_stdin(stream: Any) -> None:
     loop = asyncio.get_running_loop()
     while True:
-        data = await loop.run_in_executor(None, sys.stdin.buffer.read1, 65536)
+        stdin = sys.stdin.buffer
+        read = stdin.read1 if isinstance(stdin, io.BufferedReader) else stdin.read
+        data = await loop.run_in_executor(None, read, 65536)
         await stream.write(data=data, close=not data)
         if not data:
             return

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-import capnp  # type: ignore[import-untyped]
+import capnp
 
 from ..errors import Code, FeosError
 from ..rpc import Client, raise_for_status

@@ -17,7 +17,7 @@ import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import capnp  # type: ignore[import-untyped]
+import capnp
 
 from feos import _schema
 from feos.errors import Code, FeosError

@@ -21,8 +21,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from conftest import Netns, run
 
+from conftest import Netns, run
 from feos.errors import Code, FeosError
 from feos.guestlink import ContainerConfig, GuestClient, NetworkConfig, VolumeMount, VolumeSpec
 

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 import trio
-from conftest import run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import run
 from feos.net._groups import GroupPeer, Ports, Protocol, Rule, SecurityGroup, parse_block
 from feos.net._nft import NodeFacts, PodNet, compile_table
 from feos.net._table import NftLoader, TableWriter, loaded_rules, loaded_sets

@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 import attrs
 import pytest
-from conftest import Netns, run
 
+from conftest import Netns, run
 from feos.errors import Code, FeosError
 from feos.net._groups import GroupPeer, Ports, Protocol, Rule, SecurityGroup, parse_block
 from feos.net._nft import NodeFacts, PodNet, compile_table
