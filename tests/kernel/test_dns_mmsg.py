@@ -200,7 +200,7 @@ def test_the_batch_gives_what_cached_reply_gives_query_by_query(
         done: list[Any] = []
 
         def slow(i: int, pod: r.PodDns | None, done: list[Any]) -> None:
-            assert pod is PODS.get(batcher.source(batcher.addrs[4 * i + 1]))
+            assert pod is PODS.get(batcher.source(batcher.addrs[i]))
             batcher.queue(i, b"slow %d" % i)
             done.append(i)
 
