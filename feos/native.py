@@ -22,7 +22,7 @@ import errno
 import os
 import socket
 import struct
-from typing import Any
+from typing import Any, Literal
 
 try:
     from feos import _native  # type: ignore[attr-defined]
@@ -32,7 +32,9 @@ else:
     _MISSING = ""
 
 # native/build.py's: datagrams a batch reads (answers it sends), and a datagram's room
-BATCH_MAX, SLOT = (64, 65536) if _native is None else (_native.lib.FEOS_BATCH_MAX, _native.lib.FEOS_SLOT)
+BATCH_MAX, SLOT = (
+    (64, 65536) if _native is None else (_native.lib.FEOS_BATCH_MAX, _native.lib.FEOS_SLOT)
+)
 CLONE_NEWNET = 0x40000000
 _AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK)
 
@@ -184,6 +186,8 @@ class DatagramBatch:
         return int(self._send(self._block))
 
 
-def _field(whole: memoryview, ffi: Any, name: str, count: int, fmt: str) -> memoryview:
+def _field(
+    whole: memoryview, ffi: Any, name: str, count: int, fmt: Literal["H", "I"]
+) -> memoryview:
     at = ffi.offsetof("struct feos_batch", name)
     return whole[at : at + count * struct.calcsize(fmt)].cast(fmt)

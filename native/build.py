@@ -21,7 +21,6 @@ from __future__ import annotations
 import pathlib
 import shutil
 import sys
-import sysconfig
 
 from cffi import FFI
 
@@ -91,7 +90,7 @@ BATCH_CDEF = f"""
 #define FEOS_SLOT {SLOT}
 struct feos_batch {{
     uint32_t lengths[{BATCH_MAX}];   /* datagram i's length, of the last read */
-    uint32_t addrs[{BATCH_MAX}];     /* its source's IPv4 address as the kernel wrote it (0: not IPv4) */
+    uint32_t addrs[{BATCH_MAX}];     /* its source's IPv4 address, as written (0: not IPv4) */
     uint16_t ports[{BATCH_MAX}];     /* its source's port, in host order */
     uint32_t got;                    /* datagrams the last read got */
     uint32_t queued;                 /* answers queued for the next send */
@@ -285,7 +284,11 @@ def build_in_place() -> pathlib.Path:
     work = root / "build" / "native"
     work.mkdir(parents=True, exist_ok=True)
     built = work / ffibuilder.compile(tmpdir=str(work))
-    target = root / "feos" / f"_native{sysconfig.get_config_var('EXT_SUFFIX')}"
+    # cffi's C is Python's limited API: the name the install gives it, which nothing shadows
+    target = root / "feos" / "_native.abi3.so"
+    for other in target.parent.glob("_native.*.so"):
+        if other != target:
+            other.unlink()  # another build's, which Python would load before this one
     tmp = target.with_suffix(".tmp")
     shutil.copyfile(built, tmp)
     tmp.replace(target)  # a process that has the old one mapped keeps it

@@ -4,6 +4,7 @@ datagram read with its source, every answer to where its query came from."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import ipaddress
 import itertools
 import socket
@@ -211,3 +212,45 @@ def test_the_batch_gives_what_cached_reply_gives_query_by_query(
 
     check()
     assert seen["hits"] > 300 and seen["slow"] > 300, seen  # both paths taken, often
+
+
+def test_a_batch_sends_each_query_its_own_answer_after_what_made_them_is_dropped(
+    server_and_clients: tuple[socket.socket, list[socket.socket]],
+) -> None:
+    # The same questions from two pods of different upstreams in one batch (one hot item,
+    # bound to each pod's key in turn), and then everything the answers were made from let go
+    # before the flush: the kept items, the records, the cache's entries, their memory reused.
+    # Each client still gets the answer cached_reply gives it, byte for byte.
+    server, clients = server_and_clients
+    batcher = open_batcher(server, batch=64)
+    assert batcher is not None
+    caches = [AnswerCache(), AnswerCache()]
+    fill(caches, 3)
+    sent = []
+    for n in range(60):
+        name = NAMES[n % len(NAMES)]
+        data = query(name.upper() if n % 3 else name, (m.A, m.AAAA)[n % 2], n, m.RD, None)
+        c = n % 4  # two pods, two strangers
+        sent.append((data, clients[c], clients[c].getsockname()[0]))
+    _dnsfast._hot.clear()
+    wanted = [cached_reply(d, s, PODS.get(s), UP, caches[1], 110.0) for d, _, s in sent]
+    assert sum(w is not None for w in wanted) > 20
+    _dnsfast._hot.clear()
+    for data, client, _ in sent:
+        client.sendto(data, server.getsockname())
+    assert batcher.read() == len(sent)
+    done: list[Any] = []
+
+    def slow(i: int, pod: r.PodDns | None, done: list[Any]) -> None:
+        batcher.queue(i, b"slow %d" % i)
+
+    answer_batch(batcher, len(sent), 110.0, PODS.get, UP, caches[0], slow, done)
+    done.clear()
+    _dnsfast._hot.clear()
+    caches[0]._entries.clear()
+    gc.collect()
+    churn = [bytes([n % 251]) * size for size in range(40, 400, 7) for n in range(50)]
+    assert batcher.flush() == 0
+    del churn
+    got = [client.recv(65535) for _, client, _ in sent]
+    assert got == [b"slow %d" % i if w is None else w[0] for i, w in enumerate(wanted)]
