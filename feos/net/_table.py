@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-
 class NftLoader:
     """Runs nft scripts in one namespace: feosd's own (netns None) or a named one."""
 

@@ -193,7 +193,9 @@ def test_the_batch_gives_what_cached_reply_gives_query_by_query(
             seen["slow"] += len(sent) - hits
         assert list(caches[0]._entries) == list(caches[1]._entries)  # the same LRU order
 
-    def batch(sent: list[Any], cache: AnswerCache, now: float) -> tuple[list[bytes], list[Any], int]:
+    def batch(
+        sent: list[Any], cache: AnswerCache, now: float
+    ) -> tuple[list[bytes], list[Any], int]:
         """The queries sent and read as one batch, answered at `now`: what each client got."""
         for data, client, _ in sent:
             client.sendto(data, server.getsockname())
