@@ -1,4 +1,4 @@
-"""recvmmsg/sendmmsg through cffi on real sockets, in a namespace of the test's own: every
+"""recvmmsg/sendmmsg through feos._native on real sockets, in a namespace of the test's own: every
 datagram read with its source, every answer to where its query came from."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import Netns
+from feos import native
 from feos.net import _dnsfast
 from feos.net import _dnsmsg as m
 from feos.net import _dnsresolver as r
@@ -23,6 +24,10 @@ from feos.net._dnscache import AnswerCache, cache_key
 from feos.net._dnsfast import answer_batch, cached_reply, records
 from feos.net._dnsmmsg import open_batcher
 from feos.net._links import netns_entered
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason="feos._native is not built: python native/build.py"
+)
 
 
 def in_netns(ns: Netns) -> contextlib.AbstractContextManager[None]:
