@@ -215,6 +215,7 @@ static int feos_batch_queue(struct feos_batch *b, unsigned int i, unsigned int i
                             const char *wire, size_t n)
 {{
     unsigned int k = b->queued;
+    socklen_t namelen;
     struct msghdr *h;
     if (i >= b->got || id_bytes > 2 || id_bytes > b->lengths[i]) {{
         errno = EINVAL;
@@ -236,7 +237,8 @@ static int feos_batch_queue(struct feos_batch *b, unsigned int i, unsigned int i
     h = &b->smsgs[k].msg_hdr;
     memset(h, 0, sizeof *h);
     h->msg_name = &b->snames[k];
-    h->msg_namelen = b->rmsgs[i].msg_hdr.msg_namelen;
+    namelen = b->rmsgs[i].msg_hdr.msg_namelen;  /* the kernel's: may say more than it wrote */
+    h->msg_namelen = namelen > sizeof b->snames[k] ? sizeof b->snames[k] : namelen;
     h->msg_iov = &b->siov[k];
     h->msg_iovlen = 1;
     b->queued = k + 1;
