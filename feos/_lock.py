@@ -3,27 +3,24 @@
 While another process holds it, feosd says so once and tries again every second, for as long as it
 takes: a feosd that stops (a rollout's old one suspending its pods) ends in its own time, and an
 exit would only meet systemd's start limit. The file is close-on-exec: a self-upgrade's exec takes
-the lock again, and nothing feosd runs holds it.
+the lock again, and nothing feosd runs holds it. The flock is feos.native's (the compiled module).
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 from pathlib import Path
 
 import trio
 
+from feos import native
+
 log = logging.getLogger(__name__)
 
 
 def _try(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
+    return native.flock(fd, wait=False)
 
 
 def holder(path: Path) -> str:

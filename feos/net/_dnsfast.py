@@ -16,7 +16,10 @@ spelling from the entry last found, for as long as that entry keeps its age. `an
 for a batch that recvmmsg read what `cached_reply` does for one query (tests/kernel/
 test_dns_mmsg.py holds them to the same answers, records and LRU order), with no Python object
 made per query but its record: it checks the kept entry is still the cache's and of the same
-age, and queues the query's own ID and the kept answer's bytes where they lie (_dnsmmsg).
+age, and has the batch copy the query's own ID and the kept answer's bytes into its own memory
+(_dnsmmsg, feos.native.DatagramBatch.reply). What is kept here is Python objects only: nothing
+the kernel reads at the flush lies in them, so dropping them (the table's clear, a new entry)
+can never change an answer already queued.
 """
 
 from __future__ import annotations
@@ -60,8 +63,6 @@ class _Hot:
         "key",
         "limit",
         "lower",
-        "pin",
-        "pointer",
         "qtype_class",
         "since",
         "size",
@@ -85,8 +86,6 @@ class _Hot:
         self.aged_for = -1
         self.tail = b""  # the answer after its ID: entry.aged with the client's spelling
         self.size = 0  # the whole answer's length, its ID included
-        self.pointer = 0  # where tail's bytes are, for sendmmsg (0: not pinned yet)
-        self.pin: Any = None
         self.fields: dict[str, object] = {}  # a record of an answer from entry, but its time,
         # source and pod: `records` copies it (a dict's copy costs half of attrs' __init__)
         # The times at which the tail is the answer over UDP, [since, until): those at which
@@ -142,29 +141,27 @@ def answer_batch(
     done: list[Any],
 ) -> None:
     """Answer the `count` datagrams the batcher read: what the cache holds is queued here (its
-    ID from the query's own bytes, the rest from the kept answer: nothing joined), the rest goes
-    to `slow(i, pod, done)`, which queues its answer and appends its record. For each hit `done`
-    gets a tuple that `records` turns into its QueryRecord once the batch is sent, and that keeps
-    the answer's bytes alive until then. The same answers as `cached_reply`, query by query
+    ID from the query's own bytes, the rest from the kept answer, copied into the batch by the
+    call that queues it), the rest goes to `slow(i, pod, done)`, which queues its answer and
+    appends its record. For each hit `done` gets a tuple that `records` turns into its
+    QueryRecord once the batch is sent. The same answers as `cached_reply`, query by query
     (tests/kernel/test_dns_mmsg.py); the hot loop, so what it calls is bound to locals."""
-    data, lengths, at, step, addrs = (
-        batcher.data, batcher.lengths, batcher.len_at, batcher.len_step, batcher.addrs
-    )  # fmt: skip
-    iov, headers, hstep, rptrs, name_ptrs = (
-        batcher.iov, batcher.headers, batcher.step, batcher.rptrs, batcher.name_ptrs
+    data, at, lengths, addrs, reply = (
+        batcher.data, batcher.data_at, batcher.lengths, batcher.addrs, batcher.reply
     )  # fmt: skip
     memo, peek, touch, append = _hot, cache.peek, cache.touch, done.append
     pods: dict[int, PodDns | None] = {}  # a source's pod, looked up once per batch
-    slot, k = _dnsmmsg.SLOT, batcher.queued
+    slot = _dnsmmsg.SLOT
     for i in range(count):
-        start = i * slot
-        addr = addrs[4 * i + 1]
+        start = at + i * slot
+        end = start + lengths[i]
+        addr = addrs[i]
         pod = pods.get(addr, _UNKNOWN)
         if pod is _UNKNOWN:
             pod = pods[addr] = pod_of(batcher.source(addr))
-        hot = memo.get(data[start + 2 : start + lengths[at + i * step]], _UNSEEN)
+        hot = memo.get(data[start + 2 : end], _UNSEEN)
         if hot is _UNSEEN:
-            hot = _learn(data[start : start + lengths[at + i * step]])
+            hot = _learn(data[start:end])
         if hot is not None and pod is not None:
             upstreams = pod.upstreams or default_upstreams
             if hot.upstreams is not upstreams:
@@ -175,19 +172,10 @@ def answer_batch(
             else:
                 entry = _refresh(hot, cache, now, hot.limit)
             if entry is not None:
-                if not hot.pointer:
-                    hot.pointer, hot.pin = _dnsmmsg.pin(hot.tail)
-                # Batcher.queue_reply(i, hot.pointer, hot.size - 2), written here: the hot loop
-                headers[k * hstep] = name_ptrs[i]
-                iov[4 * k], iov[4 * k + 1] = rptrs[i], 2
-                iov[4 * k + 2], iov[4 * k + 3] = hot.pointer, hot.size - 2
-                k += 1
-                append((hot.fields, hot.pin, pod.pod_id, addr))
+                reply(i, hot.tail)  # the query's ID and the tail, copied now
+                append((hot.fields, pod.pod_id, addr))
                 continue
-        batcher.queued = k
         slow(i, pod, done)
-        k = batcher.queued
-    batcher.queued = k
 
 
 def records(
@@ -199,7 +187,7 @@ def records(
     append, hits, sources, new, put = out.append, 0, batcher.sources, object.__new__, _SET
     for item in done:
         if item.__class__ is tuple:
-            fields, _, pod_id, addr = item
+            fields, pod_id, addr = item
             hits += 1
             fields = fields.copy()
             fields["time"], fields["pod"] = now, pod_id
@@ -238,9 +226,7 @@ def _refresh(hot: _Hot, cache: AnswerCache, now: float, limit: int) -> _Entry | 
     if entry is not hot.entry or entry.aged_for != hot.aged_for:
         aged, n = entry.aged, len(hot.spelled)
         hot.tail = aged[2:12] + hot.spelled + aged[12 + n :]
-        hot.entry, hot.aged_for, hot.size, hot.pointer, hot.pin = (
-            entry, entry.aged_for, len(aged), 0, None
-        )  # fmt: skip
+        hot.entry, hot.aged_for, hot.size = entry, entry.aged_for, len(aged)
         hot.fields = record_fields(hot.text, hot.qtype_class >> 16, entry)
         hot.since = hot.until = 0.0
         if hot.size <= hot.limit:

@@ -154,7 +154,7 @@ class DnsServer:
         try:
             if cache is None:
                 for i in range(count):
-                    slow(i, self._pod_of(batcher.source(batcher.addrs[4 * i + 1])), done)
+                    slow(i, self._pod_of(batcher.source(batcher.addrs[i])), done)
             else:
                 answer_batch(batcher, count, now, self._pod_of, self._defaults, cache, slow, done)
         finally:

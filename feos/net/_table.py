@@ -14,7 +14,6 @@ made against (someone changed it), and the writer replaces it whole.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -24,15 +23,13 @@ from typing import Any, TypeVar
 
 import trio
 
+from feos import native
 from feos.errors import Code, FeosError
 
 from ._nft import TABLE, Change, Kind, Table, parse_log_prefix, plan, render_full
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_CLONE_NEWNET = 0x40000000
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class NftLoader:
@@ -92,9 +89,10 @@ class NftLoader:
 
         def body() -> None:
             try:
-                if _libc.setns(fd, _CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise FeosError(Code.FAILED_PRECONDITION, f"setns: {os.strerror(err)}")
+                try:
+                    native.setns(fd)
+                except OSError as e:
+                    raise FeosError(Code.FAILED_PRECONDITION, e.strerror or str(e)) from e
                 box.append(fn())
             except BaseException as e:  # handed to the caller's thread
                 errors.append(e)

@@ -1,0 +1,193 @@
+"""The typed face of feos._native, feosd's one compiled module (built from native/build.py).
+
+What feosd asks of the kernel beyond Python's standard library: flock, setns, the subreaper bit,
+hole punching, and datagrams by the batch (recvmmsg/sendmmsg). Every call's failure becomes
+OSError in one place (`_check`), with errno and the call's name. Nothing else imports
+feos._native; the in-guest agent never needs it (it imports nothing of this module).
+
+Memory: the C side keeps no address Python gave it. A DatagramBatch is one block that cffi
+allocates and frees with the object; its headers point only into that block (native/build.py);
+an answer's bytes are copied into the block by the call that queues them, and every index and
+length is checked there. The views it offers (`data`, `lengths`, `addrs`) are views of the whole
+block's buffer, which holds the block alive for as long as any view of it lives.
+
+The module is made by the install (setup.py's cffi_modules); a work tree without an install
+builds it in place with `python native/build.py`. Where it is missing, `available()` is False,
+the DNS server reads datagram by datagram, and the calls here raise ImportError naming the fix.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+from typing import Any, Literal
+
+try:
+    from feos import _native  # type: ignore[attr-defined]
+except ImportError as exc:  # not built in this tree: see the docstring
+    _native, _MISSING = None, str(exc)
+else:
+    _MISSING = ""
+
+# native/build.py's: datagrams a batch reads (answers it sends), and a datagram's room
+BATCH_MAX, SLOT = (
+    (64, 65536) if _native is None else (_native.lib.FEOS_BATCH_MAX, _native.lib.FEOS_SLOT)
+)
+CLONE_NEWNET = 0x40000000
+_AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK)
+
+
+def available() -> bool:
+    """Whether the compiled module is there."""
+    return _native is not None
+
+
+def _lib() -> Any:
+    if _native is None:
+        raise ImportError(
+            f"feos._native is not built ({_MISSING}): install the package "
+            "(pip install -e .) or build it in place with `python native/build.py`"
+        )
+    return _native.lib
+
+
+def _check(rc: int, what: str) -> int:
+    """rc, unless the call failed (a negative rc): then OSError from the call's errno."""
+    if rc < 0:
+        err = _native.ffi.errno
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return rc
+
+
+def _failed_with(rc: int, *errnos: int) -> bool:
+    """Whether the call failed with one of these errnos (an answer, not an error)."""
+    return rc < 0 and _native.ffi.errno in errnos
+
+
+# --- files and processes -----------------------------------------------------------------------
+
+
+def flock(fd: int, *, exclusive: bool = True, wait: bool = True) -> bool:
+    """flock(2) on fd; False when `wait` is off and another holder has it."""
+    lib = _lib()
+    op = (lib.LOCK_EX if exclusive else lib.LOCK_SH) | (0 if wait else lib.LOCK_NB)
+    rc = lib.flock(fd, op)
+    while wait and _failed_with(rc, errno.EINTR):  # a signal came: its handler ran, wait on
+        rc = lib.flock(fd, op)
+    if not wait and _failed_with(rc, *_AGAIN):
+        return False
+    _check(rc, "flock")
+    return True
+
+
+def unlock(fd: int) -> None:
+    lib = _lib()
+    _check(lib.flock(fd, lib.LOCK_UN), "flock(LOCK_UN)")
+
+
+def setns(fd: int, nstype: int = CLONE_NEWNET) -> None:
+    """Move the calling thread into the namespace fd refers to (a network one by default)."""
+    _check(_lib().setns(fd, nstype), "setns")
+
+
+def set_child_subreaper(on: bool = True) -> None:
+    """prctl(PR_SET_CHILD_SUBREAPER): orphans of this process's children come to it."""
+    _check(_lib().feos_set_child_subreaper(int(on)), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def is_child_subreaper() -> bool:
+    return bool(_check(_lib().feos_is_child_subreaper(), "prctl(PR_GET_CHILD_SUBREAPER)"))
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """fallocate(PUNCH_HOLE | KEEP_SIZE): the range reads as zeros and holds no blocks."""
+    lib = _lib()
+    mode = lib.FALLOC_FL_PUNCH_HOLE | lib.FALLOC_FL_KEEP_SIZE
+    _check(lib.feos_fallocate(fd, mode, offset, length), "fallocate(PUNCH_HOLE)")
+
+
+# --- datagrams by the batch ------------------------------------------------------------------
+
+
+class DatagramBatch:
+    """recvmmsg(2) and sendmmsg(2) on one datagram socket: `read` up to `size` datagrams into
+    the batch's own memory, `queue` or `reply` answers to them (copied there), `flush` them in
+    one call. Datagram i of the last read is `datagram(i)` (or data[data_at + i * SLOT :
+    data_at + i * SLOT + lengths[i]], for a hot loop), from IPv4 address addrs[i] (as the kernel
+    wrote it; 0 for another family) and port `ports[i]`. An answer goes to the address its
+    datagram came from, copied when it is queued: a later read does not redirect it.
+
+    The batch does not own the socket: it must stay open while the batch is used."""
+
+    def __init__(self, fd: int, size: int = BATCH_MAX) -> None:
+        lib, ffi = _lib(), _native.ffi
+        self.size = size
+        self._block = ffi.new("struct feos_batch *")  # zeroed, freed with the last view
+        _check(lib.feos_batch_init(self._block, fd, size), "batch")
+        self.data = ffi.buffer(self._block)  # the whole block; its slices are bytes
+        whole = memoryview(self.data).cast("B")
+        self.data_at = ffi.offsetof("struct feos_batch", "data")
+        self.lengths = _field(whole, ffi, "lengths", BATCH_MAX, "I")
+        self.addrs = _field(whole, ffi, "addrs", BATCH_MAX, "I")
+        self.ports = _field(whole, ffi, "ports", BATCH_MAX, "H")
+        self._queue, self._recv, self._send = (
+            lib.feos_batch_queue, lib.feos_batch_recv, lib.feos_batch_send
+        )  # fmt: skip
+
+    @property
+    def got(self) -> int:
+        """How many datagrams the last read got."""
+        return int(self._block.got)
+
+    @property
+    def queued(self) -> int:
+        return int(self._block.queued)
+
+    def read(self) -> int:
+        """Read what waits in the socket, up to a batch, without waiting; how many (0: none).
+        The answers queued and not flushed yet stay queued."""
+        return _check(self._recv(self._block), "recvmmsg")
+
+    def datagram(self, i: int) -> bytes:
+        if not 0 <= i < self._block.got:
+            raise IndexError(f"datagram {i} of a batch of {self._block.got}")
+        start = self.data_at + i * SLOT
+        data: bytes = self.data[start : start + self.lengths[i]]
+        return data
+
+    def peer(self, i: int) -> tuple[str, int]:
+        """The IPv4 address and port datagram i came from, as recvfrom gives them."""
+        if not 0 <= i < self._block.got:
+            raise IndexError(f"datagram {i} of a batch of {self._block.got}")
+        return socket.inet_ntoa(struct.pack("=I", self.addrs[i])), self.ports[i]
+
+    def queue(self, i: int, wire: bytes) -> bool:
+        """Send wire to where datagram i came from, at the next flush; False if it is more
+        than a datagram holds (then counted among flush's failures)."""
+        rc = self._queue(self._block, i, 0, wire, len(wire))
+        return rc == 0 or self._refused(rc, i)
+
+    def reply(self, i: int, tail: bytes) -> bool:
+        """Send datagram i's first 2 bytes (a DNS query's ID) and then tail, as `queue`."""
+        rc = self._queue(self._block, i, 2, tail, len(tail))
+        return rc == 0 or self._refused(rc, i)
+
+    def _refused(self, rc: int, i: int) -> bool:
+        if _failed_with(rc, errno.EMSGSIZE):
+            return False
+        _check(rc, f"queue an answer to datagram {i} of {self._block.got}")
+        return True  # not reached: _check raised
+
+    def flush(self) -> int:
+        """Send what is queued; how many answers could not be sent (too long, refused by the
+        kernel, or left when the socket's buffer filled: the clients retry)."""
+        return int(self._send(self._block))
+
+
+def _field(
+    whole: memoryview, ffi: Any, name: str, count: int, fmt: Literal["H", "I"]
+) -> memoryview:
+    at = ffi.offsetof("struct feos_batch", name)
+    return whole[at : at + count * struct.calcsize(fmt)].cast(fmt)

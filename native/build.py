@@ -1,0 +1,301 @@
+"""The build of feos._native: feosd's one compiled module, cffi's out-of-line API mode.
+
+Everything feosd asks of the kernel that Python's standard library does not offer goes through
+here, compiled against the system's own headers (no structure is declared by hand: cffi reads
+their layout from the compiler). The normal install builds it (setup.py names this file in
+`cffi_modules`); for a work tree without an install, `python native/build.py` builds it in place
+(feos/_native.*.so, ignored by git). The typed face of it, the one place that turns a failed call
+into OSError, is feos/native.py: nothing else imports feos._native.
+
+The module has one section per concern, each a C source and its declarations: a section added
+(ublk for the disk service, userfaultfd for hibernation) is a new pair in SECTIONS.
+
+Memory rule of the batch section: Python never hands the C side an address to keep. A batch is
+one block that cffi allocates (ffi.new) and frees; every pointer into it is set by C, to memory
+inside the same block; what Python gives a call (the bytes of an answer) is copied before the
+call returns; every index and length Python passes is checked against the block's bounds.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import sys
+
+from cffi import FFI
+
+BATCH_MAX = 64  # datagrams one recvmmsg reads, answers one sendmmsg sends
+SLOT = 65536  # a datagram's room: the most UDP carries, so nothing is ever cut
+
+HEADERS = """
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE  /* Python.h defines it already: setns, fallocate, recvmmsg */
+#endif
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <netinet/in.h>
+#include <linux/falloc.h>
+"""
+
+# --- files and processes: flock, setns, the subreaper, hole punching --------------------------
+
+PROCESS_CDEF = """
+#define LOCK_SH ...
+#define LOCK_EX ...
+#define LOCK_UN ...
+#define LOCK_NB ...
+#define CLONE_NEWNET ...
+#define CLONE_NEWNS ...
+#define PR_SET_CHILD_SUBREAPER ...
+#define PR_GET_CHILD_SUBREAPER ...
+#define FALLOC_FL_KEEP_SIZE ...
+#define FALLOC_FL_PUNCH_HOLE ...
+int flock(int fd, int operation);
+int setns(int fd, int nstype);
+int feos_set_child_subreaper(int on);
+int feos_is_child_subreaper(void);
+int feos_fallocate(int fd, int mode, int64_t offset, int64_t len);
+"""
+
+PROCESS_SOURCE = """
+static int feos_set_child_subreaper(int on)
+{
+    return prctl(PR_SET_CHILD_SUBREAPER, (unsigned long)(on != 0), 0UL, 0UL, 0UL);
+}
+
+static int feos_fallocate(int fd, int mode, int64_t offset, int64_t len)
+{
+    return fallocate(fd, mode, (off_t)offset, (off_t)len);
+}
+
+static int feos_is_child_subreaper(void)
+{
+    int on = 0;
+    if (prctl(PR_GET_CHILD_SUBREAPER, (unsigned long)&on, 0UL, 0UL, 0UL) != 0)
+        return -1;
+    return on != 0;
+}
+"""
+
+# --- datagrams by the batch: recvmmsg(2) and sendmmsg(2) -------------------------------------
+
+BATCH_CDEF = f"""
+#define FEOS_BATCH_MAX {BATCH_MAX}
+#define FEOS_SLOT {SLOT}
+struct feos_batch {{
+    uint32_t lengths[{BATCH_MAX}];   /* datagram i's length, of the last read */
+    uint32_t addrs[{BATCH_MAX}];     /* its source's IPv4 address, as written (0: not IPv4) */
+    uint16_t ports[{BATCH_MAX}];     /* its source's port, in host order */
+    uint32_t got;                    /* datagrams the last read got */
+    uint32_t queued;                 /* answers queued for the next send */
+    char data[{BATCH_MAX}][{SLOT}];  /* datagram i, of the last read */
+    ...;
+}};
+int feos_batch_init(struct feos_batch *b, int fd, unsigned int size);
+int feos_batch_recv(struct feos_batch *b);
+int feos_batch_queue(struct feos_batch *b, unsigned int i, unsigned int id_bytes,
+                     const char *wire, size_t n);
+int feos_batch_send(struct feos_batch *b);
+"""
+
+BATCH_SOURCE = f"""
+#define FEOS_BATCH_MAX {BATCH_MAX}
+#define FEOS_SLOT {SLOT}
+
+union feos_sockaddr {{
+    struct sockaddr sa;
+    struct sockaddr_in v4;
+    struct sockaddr_in6 v6;
+}};
+
+struct feos_batch {{
+    uint32_t lengths[FEOS_BATCH_MAX];
+    uint32_t addrs[FEOS_BATCH_MAX];
+    uint16_t ports[FEOS_BATCH_MAX];
+    uint32_t got;
+    uint32_t queued;
+    char data[FEOS_BATCH_MAX][FEOS_SLOT];
+    /* Not seen from Python: the kernel's headers, each pointing into this same block. */
+    int fd;
+    unsigned int size;
+    unsigned int unsendable;          /* answers refused at queue time, for the next send */
+    struct mmsghdr rmsgs[FEOS_BATCH_MAX];
+    struct iovec riov[FEOS_BATCH_MAX];
+    union feos_sockaddr rnames[FEOS_BATCH_MAX];
+    struct mmsghdr smsgs[FEOS_BATCH_MAX];
+    struct iovec siov[FEOS_BATCH_MAX];
+    union feos_sockaddr snames[FEOS_BATCH_MAX]; /* a copy: a later read cannot redirect it */
+    char out[FEOS_BATCH_MAX][FEOS_SLOT];
+}};
+
+/* Point every header at its own slot of the block. The block is zeroed by ffi.new. */
+static int feos_batch_init(struct feos_batch *b, int fd, unsigned int size)
+{{
+    unsigned int i;
+    if (size == 0 || size > FEOS_BATCH_MAX) {{
+        errno = EINVAL;
+        return -1;
+    }}
+    b->fd = fd;
+    b->size = size;
+    b->got = b->queued = b->unsendable = 0;
+    for (i = 0; i < FEOS_BATCH_MAX; i++) {{
+        b->riov[i].iov_base = b->data[i];
+        b->riov[i].iov_len = FEOS_SLOT;
+        b->siov[i].iov_base = b->out[i];
+        b->siov[i].iov_len = 0;
+    }}
+    return 0;
+}}
+
+static void feos_batch_reset_reads(struct feos_batch *b)
+{{
+    unsigned int i;
+    for (i = 0; i < b->size; i++) {{
+        struct msghdr *h = &b->rmsgs[i].msg_hdr;
+        memset(h, 0, sizeof *h);
+        h->msg_name = &b->rnames[i];
+        h->msg_namelen = sizeof b->rnames[i];
+        h->msg_iov = &b->riov[i];
+        h->msg_iovlen = 1;
+        b->rmsgs[i].msg_len = 0;
+    }}
+}}
+
+static void feos_batch_note_sources(struct feos_batch *b, unsigned int got)
+{{
+    unsigned int i;
+    for (i = 0; i < got; i++) {{
+        const union feos_sockaddr *name = &b->rnames[i];
+        unsigned int len = b->rmsgs[i].msg_len;
+        b->lengths[i] = len > FEOS_SLOT ? FEOS_SLOT : len;
+        if (b->rmsgs[i].msg_hdr.msg_namelen >= sizeof name->v4 && name->sa.sa_family == AF_INET) {{
+            b->addrs[i] = name->v4.sin_addr.s_addr;
+            b->ports[i] = ntohs(name->v4.sin_port);
+        }} else {{
+            b->addrs[i] = 0;
+            b->ports[i] = 0;
+        }}
+    }}
+}}
+
+/* Read up to a batch without waiting: how many (0: none waits), or -1 and errno. An error
+   queued on the socket (an ICMP one) is no datagram: read on, at most `size` times. */
+static int feos_batch_recv(struct feos_batch *b)
+{{
+    unsigned int tries;
+    b->got = 0;
+    for (tries = 0; tries < b->size; tries++) {{
+        int got;
+        feos_batch_reset_reads(b);
+        got = recvmmsg(b->fd, b->rmsgs, b->size, MSG_DONTWAIT, NULL);
+        if (got >= 0) {{
+            feos_batch_note_sources(b, (unsigned int)got);
+            b->got = (unsigned int)got;
+            return got;
+        }}
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
+            return 0;
+        if (errno == EBADF || errno == ENOTSOCK || errno == EFAULT || errno == EINVAL)
+            return -1;
+    }}
+    return 0;
+}}
+
+/* Queue an answer to datagram i of the last read: its first id_bytes (0 or 2: the query's ID)
+   and then n bytes of wire, copied now. 0, or -1 and errno (EINVAL: no such datagram;
+   EMSGSIZE: more than a datagram holds, counted as unsendable; ENOBUFS: the batch is full). */
+static int feos_batch_queue(struct feos_batch *b, unsigned int i, unsigned int id_bytes,
+                            const char *wire, size_t n)
+{{
+    unsigned int k = b->queued;
+    socklen_t namelen;
+    struct msghdr *h;
+    if (i >= b->got || id_bytes > 2 || id_bytes > b->lengths[i]) {{
+        errno = EINVAL;
+        return -1;
+    }}
+    if (n > FEOS_SLOT - id_bytes) {{
+        b->unsendable++;
+        errno = EMSGSIZE;
+        return -1;
+    }}
+    if (k >= b->size) {{
+        errno = ENOBUFS;
+        return -1;
+    }}
+    memcpy(b->out[k], b->data[i], id_bytes);
+    memcpy(b->out[k] + id_bytes, wire, n);
+    b->siov[k].iov_len = id_bytes + n;
+    memcpy(&b->snames[k], &b->rnames[i], sizeof b->snames[k]);
+    h = &b->smsgs[k].msg_hdr;
+    memset(h, 0, sizeof *h);
+    h->msg_name = &b->snames[k];
+    namelen = b->rmsgs[i].msg_hdr.msg_namelen;  /* the kernel's: may say more than it wrote */
+    h->msg_namelen = namelen > sizeof b->snames[k] ? sizeof b->snames[k] : namelen;
+    h->msg_iov = &b->siov[k];
+    h->msg_iovlen = 1;
+    b->queued = k + 1;
+    return 0;
+}}
+
+/* Send what is queued, without waiting: how many answers were not sent (refused at queue time,
+   refused by the kernel, or left when the socket's buffer filled: the clients retry). */
+static int feos_batch_send(struct feos_batch *b)
+{{
+    unsigned int sent = 0, queued = b->queued;
+    int failed = (int)b->unsendable;
+    b->queued = b->unsendable = 0;
+    while (sent < queued) {{
+        int got = sendmmsg(b->fd, b->smsgs + sent, queued - sent, MSG_DONTWAIT);
+        if (got > 0) {{
+            sent += (unsigned int)got;
+        }} else if (got == 0 || errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {{
+            return failed + (int)(queued - sent);
+        }} else {{
+            failed++;  /* this one refused: the rest go on */
+            sent++;
+        }}
+    }}
+    return failed;
+}}
+"""
+
+# --- sections to come: ublk (the disk service), userfaultfd (hibernation) ---------------------
+
+SECTIONS = [(PROCESS_CDEF, PROCESS_SOURCE), (BATCH_CDEF, BATCH_SOURCE)]
+
+ffibuilder = FFI()
+ffibuilder.cdef("\n".join(cdef for cdef, _ in SECTIONS))
+ffibuilder.set_source(
+    "feos._native",
+    HEADERS + "\n".join(source for _, source in SECTIONS),
+    extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+)
+
+
+def build_in_place() -> pathlib.Path:
+    """Compile into build/native and copy the module beside feos/'s sources."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    work = root / "build" / "native"
+    work.mkdir(parents=True, exist_ok=True)
+    built = work / ffibuilder.compile(tmpdir=str(work))
+    # cffi's C is Python's limited API: the name the install gives it, which nothing shadows
+    target = root / "feos" / "_native.abi3.so"
+    for other in target.parent.glob("_native.*.so"):
+        if other != target:
+            other.unlink()  # another build's, which Python would load before this one
+    tmp = target.with_suffix(".tmp")
+    shutil.copyfile(built, tmp)
+    tmp.replace(target)  # a process that has the old one mapped keeps it
+    return target
+
+
+if __name__ == "__main__":
+    print(build_in_place(), file=sys.stderr)

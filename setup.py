@@ -1,0 +1,6 @@
+"""The one thing pyproject.toml cannot say: feos._native, the compiled module, is built from
+native/build.py by cffi (out of line, API mode) as part of every install, editable or not."""
+
+from setuptools import setup
+
+setup(cffi_modules=["native/build.py:ffibuilder"])
