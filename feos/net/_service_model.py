@@ -91,7 +91,7 @@ def table_pods(pods: Iterable[PodNet], options: NetworkOptions,
             left.append(pod.id)
             continue
         out.append(nft.PodNet(tap, v6, v4, tuple(pod.security_groups),
-                              local_metadata=pod.driver == "qemu"))
+                              local_metadata=pod.driver == "qemu", published=pod.published))
     return out, left
 
 
