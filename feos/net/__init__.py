@@ -56,7 +56,6 @@ from ._options import add_network_arguments as add_network_arguments
 from ._options import network_options_from_args as network_options_from_args
 from ._options import parse_network_options as parse_network_options
 from ._ports import check_publish as check_publish
-from ._ports import parse_publish_text as parse_publish_text
 from ._service import Network as Network
 from ._stores import NameTableService as NameTableService
 from ._stores import SecurityGroupService as SecurityGroupService

@@ -1,4 +1,4 @@
-"""Published ports: the text feosctl takes, which publishes overlap, and who holds a port.
+"""Published ports: which publishes overlap, and who on the node holds a port.
 
 A publish's host address is "" (every address of the node, both families), "0.0.0.0" (every
 IPv4 address), "::" (every IPv6 address) or one address. Two publishes of one protocol and host
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import re
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -28,20 +27,6 @@ ANY4, ANY6 = "0.0.0.0", "::"
 PROTOCOLS = ("tcp", "udp")
 LINK_LOCAL4 = ipaddress.IPv4Network("169.254.0.0/16")
 LINK_LOCAL6 = ipaddress.IPv6Network("fe80::/10")
-_TEXT = re.compile(r"(?:(?P<addr>\[[0-9A-Fa-f:.]+\]|[0-9.]+):)?(?P<host>[0-9]+):(?P<pod>[0-9]+)"
-                   r"(?:/(?P<proto>[a-z]+))?\Z")
-
-
-def parse_publish_text(text: str) -> dict[str, object]:
-    """[ADDRESS:]HOSTPORT:PODPORT[/tcp|/udp] as a PublishedPort's dict (the schema's names);
-    a ValueError saying what is wrong. The numbers are checked by the spec's parser."""
-    m = _TEXT.match(text.strip())
-    if m is None:
-        raise ValueError(f"{text!r} is not [ADDRESS:]HOSTPORT:PODPORT[/tcp|/udp] "
-                         "(an IPv6 address in brackets)")
-    addr = (m["addr"] or "").strip("[]")
-    return {"protocol": m["proto"] or "tcp", "hostAddress": addr,
-            "hostPort": int(m["host"]), "podPort": int(m["pod"])}
 
 
 def families(host_address: str) -> tuple[int, ...]:
@@ -109,24 +94,35 @@ class Listener:
 _STATES = {"tcp": "0A", "udp": "07"}  # LISTEN; an unconnected UDP socket
 
 
-def read_listeners(proc_net: int | None) -> list[Listener]:
-    """The sockets listening in the namespace of `proc_net` (a /proc/<task>/net directory's fd;
-    None: /proc/net of this process)."""
+PROC_FILES = ("tcp", "tcp6", "udp", "udp6")
+
+
+def open_proc_net() -> dict[str, int]:
+    """/proc/net's socket tables of the calling thread's namespace, opened: a file read later
+    from any thread still lists the namespace it was opened in (run in that namespace)."""
+    fds = {}
+    for name in PROC_FILES:
+        try:
+            fds[name] = os.open(f"/proc/thread-self/net/{name}", os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            pass  # a kernel without IPv6
+    return fds
+
+
+def read_listeners(fds: dict[str, int]) -> list[Listener]:
+    """The sockets listening in the namespace the files were opened in (a few KiB of /proc)."""
     out = []
-    for proto in PROTOCOLS:
-        for suffix, version in (("", 4), ("6", 6)):
-            out += _parse_proc(_read(f"{proto}{suffix}", proc_net), proto, version)
+    for name, fd in fds.items():
+        out += _parse_proc(_read(fd), name[:3], 6 if name.endswith("6") else 4)
     return out
 
 
-def _read(name: str, proc_net: int | None) -> str:
-    try:
-        fd = os.open(name, os.O_RDONLY, dir_fd=proc_net) if proc_net is not None else (
-            os.open(f"/proc/net/{name}", os.O_RDONLY))
-    except FileNotFoundError:
-        return ""  # a kernel without IPv6
-    with os.fdopen(fd) as f:
-        return f.read()
+def _read(fd: int) -> str:
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    while chunk := os.read(fd, 65536):
+        chunks.append(chunk)
+    return b"".join(chunks).decode()
 
 
 def _parse_proc(text: str, proto: str, version: int) -> list[Listener]:

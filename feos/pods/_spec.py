@@ -233,6 +233,8 @@ def _publish(items: Sequence[dict[str, Any]]) -> tuple[PublishedPort, ...]:
     ports = []
     for i, item in enumerate(items):
         address = item.get("hostAddress", "") or ""
+        if not isinstance(address, str):
+            raise invalid(f"spec.network.publish[{i}].hostAddress", "must be an address's text")
         try:
             address = str(ipaddress.ip_address(address)) if address else ""
         except ValueError:
