@@ -262,7 +262,22 @@ def _postrouting(facts: NodeFacts) -> list[str]:
         f'ip saddr {facts.ipv4_range} oifname != "pod-*" masquerade',
         # 127.0.0.1 DNATed to a pod (route_localnet on its TAP): the pod sees the TAP's address
         f"{_PODS_OUT} ip saddr 127.0.0.0/8 masquerade",
+        *_ula_snat(facts.pod_prefix),
     ]
+
+
+_ULA = ipaddress.IPv6Network("fc00::/7")
+
+
+def _ula_snat(prefix: ipaddress.IPv6Network) -> list[str]:
+    """Pods of a ULA prefix route only fc00::/7 back: what reaches them through a publish (or
+    the node's relay) from another IPv6 source comes from the prefix's ::1, which no pod holds
+    (the counter starts at ::2), so their answers come back to the node to be un-NATed."""
+    if not prefix.subnet_of(_ULA):
+        return []
+    source = f"ip6 saddr != {_ULA} snat ip6 to {prefix[1]}"
+    return [f"{_PODS_OUT} ct status dnat {source}",
+            f"{_PODS_OUT} fib saddr type local {source}"]
 
 
 def _publish(pods: Sequence[PodNet]) -> tuple[str, ...]:

@@ -75,6 +75,8 @@ def test_chains_are_the_spec_s() -> None:
     assert chains["postrouting"].rules == (
         'ip saddr 169.254.16.0/20 oifname != "pod-*" masquerade',
         'oifname "pod-*" ip saddr 127.0.0.0/8 masquerade',
+        'oifname "pod-*" ct status dnat ip6 saddr != fc00::/7 snat ip6 to fd12:3456::1',
+        'oifname "pod-*" fib saddr type local ip6 saddr != fc00::/7 snat ip6 to fd12:3456::1',
     )
     assert chains["from-pods"].hook is None
     assert chains["out-pod-00000001"].hook is None

@@ -98,3 +98,11 @@ def test_rendered_once_in_the_full_script() -> None:
     text = render_full(compile_table([published(tcp(8080, 80))], {}, FACTS))
     assert text.count("dnat ip to 169.254.16.2:80") == 1
     assert "type nat hook output priority -100" in text
+
+
+def test_a_ula_prefix_s_pods_see_other_ipv6_sources_as_its_first_address() -> None:
+    post = compile_table([POD], {}, FACTS).chain_map()["postrouting"].rules
+    assert 'oifname "pod-*" ct status dnat ip6 saddr != fc00::/7 snat ip6 to fd12:3456::1' in post
+    routed = NodeFacts(ip.IPv6Network("2001:db8:1::/64"))
+    post = compile_table([POD], {}, routed).chain_map()["postrouting"].rules
+    assert not any("snat" in r for r in post)  # a routed prefix's pods answer anyone
