@@ -387,6 +387,8 @@ class Network:
         self._refresh()
         for pod in self._known():
             tap = tap_or_none(pod.id)
+            if tap in links and any(4 in families(p.host_address) for p in pod.published):
+                await in_thread(self.netns, _route_localnet, tap)  # a TAP an older feosd made
             if pod.driver == "qemu" and tap in links:
                 try:
                     await self._metadata.add_pod(tap, metadata_of(pod))  # a running pod's again
