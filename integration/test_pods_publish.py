@@ -55,6 +55,8 @@ def test_a_published_pod_is_reached_over_both_families(net: PodNet) -> None:
     assert pod["state"] == "running", pod
     assert pod["spec"]["network"]["pod"]["publish"] == [
         {"protocol": "tcp", "hostAddress": "", "hostPort": HOST_PORT, "podPort": POD_PORT}]
+    shown = [line.split() for line in net.ctl("pod", "get", POD).stdout.splitlines()]
+    assert ["publish", f"{HOST_PORT}:{POD_PORT}/tcp"] in shown, shown
     serving(net)
     got = reached_everywhere(net)
     assert got == dict.fromkeys(got, PAGE), (got, table(net))

@@ -159,7 +159,16 @@ async def pod_get(client: Client, args: argparse.Namespace) -> Table:
     for c in pod.get("containers", []):
         rows.append(["", f"container {c.get('name')}", c.get("state", ""), "", "", "", "",
                      f"exit {c.get('exitCode', 0)}" if c.get("state") == "exited" else ""])
+    for p in (pod.get("spec", {}).get("network", {}).get("pod") or {}).get("publish", []):
+        rows.append(["", "publish", publish_text(p), "", "", "", "", ""])
     return table
+
+
+def publish_text(p: dict[str, Any]) -> str:
+    """A PublishedPort's dict as --publish takes it (the wire leaves empty fields out)."""
+    host = p.get("hostAddress", "")
+    host = f"[{host}]:" if ":" in host else f"{host}:" if host else ""
+    return f"{host}{p.get('hostPort', 0)}:{p.get('podPort', 0)}/{p.get('protocol') or 'tcp'}"
 
 
 def _change(method: str):  # type: ignore[no-untyped-def]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from feos.cli._commands import UsageError
-from feos.cli._pods import _with_publish, parse_publish
+from feos.cli._pods import _with_publish, parse_publish, publish_text
 from feos.errors import Code, FeosError
 from feos.net import PodNet, PublishedPort
 from feos.net._options import parse_network_options
@@ -50,6 +50,12 @@ def test_publish_text_as_docker_takes_it(text: str, want: dict[str, Any]) -> Non
 def test_bad_publish_text_is_a_usage_error(text: str) -> None:
     with pytest.raises(UsageError):
         parse_publish(text)
+
+
+@pytest.mark.parametrize("text", ["8080:80/tcp", "127.0.0.1:8080:80/tcp", "[::1]:5353:53/udp"])
+def test_pod_get_shows_a_publish_as_it_was_given(text: str) -> None:
+    assert publish_text(parse_publish(text)) == text
+    assert publish_text({"hostPort": 80, "podPort": 8080}) == "80:8080/tcp"  # as the wire has it
 
 
 def test_spec_file_strings_and_flags_are_one_list() -> None:
