@@ -28,10 +28,19 @@ struct PodVolume {
   volumeId @1 :Text;             # a Volume's ID on this node
 }
 
+struct PublishedPort {
+  # A port of the node forwarded to the pod over both families (docs/network.md, "Published ports").
+  protocol @0 :Text;             # tcp or udp; empty: tcp
+  hostAddress @1 :Text;          # one of the node's addresses; empty: every address, both families
+  hostPort @2 :UInt32;           # 1 to 65535 (32 bits so that a bad number is refused by name)
+  podPort @3 :UInt32;            # 1 to 65535
+}
+
 struct PodNetwork {
   securityGroups @0 :List(Text); # none: the default group (out to the internet, nothing in)
   nameTables @1 :List(Text);
   dnsUpstreams @2 :List(Text);   # IP addresses; none: feosd's --dns-upstream
+  publish @3 :List(PublishedPort); # admitted without a security group; no two may overlap
 }
 
 struct PodSpec {

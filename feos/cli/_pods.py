@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import io
 import json
+import re
 import sys
 import time
 from typing import Any
@@ -28,7 +29,45 @@ def pod_row(p: dict[str, Any]) -> list[str]:
             p.get("ipv4Address", "") or "-", names]
 
 
+_PUBLISH = re.compile(r"(?:(?P<addr>\[[0-9A-Fa-f:.]+\]|[0-9.]+):)?(?P<host>[0-9]+):(?P<pod>[0-9]+)"
+                      r"(?:/(?P<proto>tcp|udp))?\Z")
+PUBLISH_FORM = "[ADDRESS:]HOSTPORT:PODPORT[/tcp|/udp]"
+
+
+def parse_publish(text: str) -> dict[str, Any]:
+    """--publish as docker and podman take it, as a PublishedPort's dict (the schema's names).
+    No ADDRESS: every address of the node, both families; an IPv6 address goes in brackets.
+    The numbers and the address are checked by feosd, which names the field."""
+    m = _PUBLISH.match(text.strip())
+    if m is None:
+        raise UsageError(f"--publish {text!r}: give {PUBLISH_FORM}, such as 8080:80, "
+                         "127.0.0.1:8080:80 or [::1]:5353:53/udp")
+    return {"protocol": m["proto"] or "tcp", "hostAddress": (m["addr"] or "").strip("[]"),
+            "hostPort": int(m["host"]), "podPort": int(m["pod"])}
+
+
+def _with_publish(spec: dict[str, Any], extra: list[str]) -> dict[str, Any]:
+    """The spec's network.pod.publish with each text item parsed and --publish added."""
+    network = spec.get("network")
+    if isinstance(network, dict) and "none" in network:
+        if extra:
+            raise UsageError("--publish needs a pod with a network (not --no-network)")
+        return spec
+    network = dict(network) if isinstance(network, dict) else {}
+    pod = dict(network.get("pod") or {})
+    items = list(pod.get("publish") or []) + extra
+    if not items:
+        return spec
+    pod["publish"] = [parse_publish(i) if isinstance(i, str) else i for i in items]
+    network["pod"] = pod
+    return {**spec, "network": network}
+
+
 def spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return _with_publish(_spec_from_args(args), list(getattr(args, "publish", None) or []))
+
+
+def _spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.file:
         loaded = load_file(args.file)
         if not isinstance(loaded, dict):
@@ -120,7 +159,16 @@ async def pod_get(client: Client, args: argparse.Namespace) -> Table:
     for c in pod.get("containers", []):
         rows.append(["", f"container {c.get('name')}", c.get("state", ""), "", "", "", "",
                      f"exit {c.get('exitCode', 0)}" if c.get("state") == "exited" else ""])
+    for p in (pod.get("spec", {}).get("network", {}).get("pod") or {}).get("publish", []):
+        rows.append(["", "publish", publish_text(p), "", "", "", "", ""])
     return table
+
+
+def publish_text(p: dict[str, Any]) -> str:
+    """A PublishedPort's dict as --publish takes it (the wire leaves empty fields out)."""
+    host = p.get("hostAddress", "")
+    host = f"[{host}]:" if ":" in host else f"{host}:" if host else ""
+    return f"{host}{p.get('hostPort', 0)}:{p.get('podPort', 0)}/{p.get('protocol') or 'tcp'}"
 
 
 def _change(method: str):  # type: ignore[no-untyped-def]
@@ -264,6 +312,10 @@ def register_pod(nouns: Any) -> None:
     p.add_argument("--names", action="append", default=[], metavar="TABLE")
     p.add_argument("--dns", action="append", default=[], metavar="ADDRESS")
     p.add_argument("--no-network", action="store_true", help="a pod without any network")
+    p.add_argument("-p", "--publish", action="append", default=[], metavar=PUBLISH_FORM,
+                   help="forward the node's port to the pod's, over IPv4 and IPv6 (repeatable; "
+                        "no ADDRESS: every address of the node; an IPv4 or [IPv6] address "
+                        "limits it; also network.pod.publish in a spec file)")
     p.add_argument("--pull-token", help="a Bearer token for the registry, for this bring-up only")
     p.add_argument("--wait", action="store_true", help="block until RUNNING or FAILED")
     _verb(verbs, "list", pod_list, "list the pods")

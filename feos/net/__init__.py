@@ -13,6 +13,7 @@ from ._contract import GuestNetwork as GuestNetwork
 from ._contract import Link as Link
 from ._contract import PodNet as PodNet
 from ._contract import PodsView as PodsView
+from ._contract import PublishedPort as PublishedPort
 from ._dnscache import AnswerCache as AnswerCache
 from ._dnsserver import DnsCounters as DnsCounters
 from ._dnsserver import DnsServer as DnsServer
@@ -54,6 +55,7 @@ from ._options import NetworkOptions as NetworkOptions
 from ._options import add_network_arguments as add_network_arguments
 from ._options import network_options_from_args as network_options_from_args
 from ._options import parse_network_options as parse_network_options
+from ._ports import check_publish as check_publish
 from ._service import Network as Network
 from ._stores import NameTableService as NameTableService
 from ._stores import SecurityGroupService as SecurityGroupService

@@ -16,6 +16,22 @@ import attrs
 
 
 @attrs.frozen
+class PublishedPort:
+    """A port of the node forwarded to the pod (spec.network.publish; docs/network.md)."""
+
+    protocol: str  # "tcp" or "udp"
+    host_address: str  # "" : every address of the node, both families
+    host_port: int
+    pod_port: int
+
+    def text(self) -> str:
+        """As feosctl's --publish takes it: [ADDRESS:]HOSTPORT:PODPORT/PROTOCOL."""
+        host = self.host_address
+        host = f"[{host}]:" if ":" in host else f"{host}:" if host else ""
+        return f"{host}{self.host_port}:{self.pod_port}/{self.protocol}"
+
+
+@attrs.frozen
 class PodNet:
     """A pod as the network sees it."""
 
@@ -28,6 +44,7 @@ class PodNet:
     metadata_json: str  # the spec's metadata object, as JSON
     driver: str  # "qemu" (the node serves metadata on the TAP) or "firecracker" (MMDS)
     tap_owner_uid: int | None = None  # the microVM's own user, who owns its TAP
+    published: tuple[PublishedPort, ...] = ()  # checked by the spec's parser and check_spec
 
 
 @attrs.frozen

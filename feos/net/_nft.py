@@ -32,6 +32,7 @@ import attrs
 
 from feos.errors import Code, FeosError, invalid
 
+from ._contract import PublishedPort
 from ._groups import Block, GroupPeer, Network, Protocol, Rule, SecurityGroup, block_remainder
 
 TABLE = "inet feos"
@@ -65,6 +66,8 @@ class PodNet:
     groups: tuple[str, ...] = ()
     local_metadata: bool = False
     """The node serves its metadata (QEMU pods); Firecracker's MMDS answers in the microVM."""
+    published: tuple[PublishedPort, ...] = ()
+    """The node's ports forwarded to the pod (DNAT in the chain publish, admitted in in-)."""
 
 
 @attrs.frozen
@@ -151,7 +154,7 @@ def compile_table(
     """The whole table. A pod naming a group that is not in `groups` is FAILED_PRECONDITION."""
     pods = sorted(pods, key=lambda p: p.tap)
     _check_pods(pods, groups)
-    chains = [*_base_chains(facts), *_dispatch_chains()]
+    chains = [*_base_chains(facts), *_dispatch_chains(), Chain("publish", _publish(pods))]
     for pod in pods:
         chains += _pod_chains(pod, groups)
     return Table(_sets(pods, groups, facts), tuple(chains))
@@ -193,7 +196,18 @@ def _base_chains(facts: NodeFacts) -> list[Chain]:
         Chain("input", tuple(_input(facts)), _hook("filter", "input", "0")),
         Chain("forward", tuple(_forward()), _hook("filter", "forward", "0")),
         Chain("postrouting", tuple(_postrouting(facts)), _hook("nat", "postrouting", "100")),
+        Chain("nat-prerouting", _NAT_PREROUTING, _hook("nat", "prerouting", "-100")),
+        Chain("nat-output", _NAT_OUTPUT, _hook("nat", "output", "-100")),
     ]
+
+
+# Published ports (docs/network.md): what comes to one of the node's own addresses, from outside
+# the pods or from the node itself, goes through the chain publish, which DNATs a published port
+# to its pod. Link-local addresses (the resolver, OTLP, metadata, fe80::1) are never published;
+# ::1 from the node is left to feosd's relay (the kernel does not route ::1 out of a device).
+_NOT_LINK_LOCAL = ("ip daddr 169.254.0.0/16 return", "ip6 daddr fe80::/10 return")
+_NAT_PREROUTING = (f"{_PODS_IN} return", *_NOT_LINK_LOCAL, "fib daddr type local jump publish")
+_NAT_OUTPUT = ("ip6 daddr ::1 return", *_NOT_LINK_LOCAL, "fib daddr type local jump publish")
 
 
 def _hook(kind: str, hook: str, priority: str) -> str:
@@ -225,6 +239,9 @@ def _input(facts: NodeFacts) -> list[str]:
     rules.append(
         f"iifname @meta-local ip daddr {METADATA_ADDRESS} tcp dport {facts.metadata_port} accept"
     )
+    # replies to connections the node opened to a pod (a published port reached from the node,
+    # feosd's ::1 relay); a pod cannot make a conntrack entry whose reply direction is its own
+    rules.append(f"{_PODS_IN} ct direction reply ct state established accept")
     return [*rules, *_drop(_PODS_IN, "input", "iifname")]
 
 
@@ -241,7 +258,54 @@ def _forward() -> list[str]:
 
 
 def _postrouting(facts: NodeFacts) -> list[str]:
-    return [f'ip saddr {facts.ipv4_range} oifname != "pod-*" masquerade']
+    return [
+        f'ip saddr {facts.ipv4_range} oifname != "pod-*" masquerade',
+        # 127.0.0.1 DNATed to a pod (route_localnet on its TAP): the pod sees the TAP's address
+        f"{_PODS_OUT} ip saddr 127.0.0.0/8 masquerade",
+        *_ula_snat(facts.pod_prefix),
+    ]
+
+
+_ULA = ipaddress.IPv6Network("fc00::/7")
+
+
+def _ula_snat(prefix: ipaddress.IPv6Network) -> list[str]:
+    """Pods of a ULA prefix route only fc00::/7 back: what reaches them through a publish (or
+    the node's relay) from another IPv6 source comes from the prefix's ::1, which no pod holds
+    (the counter starts at ::2), so their answers come back to the node to be un-NATed."""
+    if not prefix.subnet_of(_ULA):
+        return []
+    source = f"ip6 saddr != {_ULA} snat ip6 to {prefix[1]}"
+    return [f"{_PODS_OUT} ct status dnat {source}",
+            f"{_PODS_OUT} fib saddr type local {source}"]
+
+
+def _publish(pods: Sequence[PodNet]) -> tuple[str, ...]:
+    return tuple(r for pod in pods for port in pod.published for r in _dnat(pod, port))
+
+
+def _dnat(pod: PodNet, port: PublishedPort) -> list[str]:
+    """The DNAT rules of one publish: each family the host address covers that the pod has."""
+    match = f"{port.protocol} dport {port.host_port}"
+    host = port.host_address
+    addr = ipaddress.ip_address(host) if host else None
+    rules = []
+    if pod.ipv4 is not None and (addr is None or addr.version == 4):
+        where = "meta nfproto ipv4" if addr is None or addr.is_unspecified else f"ip daddr {addr}"
+        rules.append(f"{where} {match} dnat ip to {pod.ipv4}:{port.pod_port}")
+    if addr is None or addr.version == 6:
+        where = "meta nfproto ipv6" if addr is None or addr.is_unspecified else f"ip6 daddr {addr}"
+        rules.append(f"{where} {match} dnat ip6 to [{pod.ipv6}]:{port.pod_port}")
+    return rules
+
+
+def _admit_published(pod: PodNet) -> list[str]:
+    """In the pod's in- chain: a connection the DNAT made for one of its publishes (both
+    families: IPv4 here is the documented extension of in- chains that are otherwise IPv6's)."""
+    return _unique(
+        f"{p.protocol} dport {p.pod_port} ct status dnat ct original proto-dst {p.host_port} return"
+        for p in pod.published
+    )
 
 
 def _dispatch_chains() -> list[Chain]:
@@ -268,6 +332,7 @@ def _pod_chains(pod: PodNet, groups: Mapping[str, SecurityGroup]) -> list[Chain]
     in_ = [
         *_drop("ip6 saddr @deny6", "deny", "oifname", pod.tap),
         *_unique(allow_in),
+        *_admit_published(pod),
         *_drop("", "no-rule", "oifname", pod.tap),
     ]
     return [Chain(f"out-{pod.tap}", tuple(out)), Chain(f"in-{pod.tap}", tuple(in_))]

@@ -22,6 +22,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import os
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -42,6 +43,7 @@ from ._groups import validate_pod_groups
 from ._links import (
     TapSpec,
     delete_tap,
+    ensure_sysctl,
     guest_mac,
     in_thread,
     make_tap,
@@ -53,7 +55,18 @@ from ._listenfds import DnsSockets, bind_dns_sockets
 from ._metadata_server import MetadataServer
 from ._mmds import validate_metadata
 from ._nametable import NameTable, is_label
+from ._nft import METADATA_ADDRESS
 from ._options import Addr, NetworkOptions
+from ._ports import (
+    already_held,
+    families,
+    holder_of_port,
+    open_proc_net,
+    overlaps,
+    own_socket_inodes,
+    read_listeners,
+)
+from ._relay import Relays
 from ._service_model import (
     StoreMapping,
     compile_for,
@@ -66,6 +79,7 @@ from ._service_model import (
     pod_addresses,
     pod_links,
     read_node_addresses,
+    relay_targets,
     remove_old_devices,
     store_of,
     tap_or_none,
@@ -122,6 +136,8 @@ class Network:
         self._node_addresses: tuple[Addr, ...] = ()
         self._directory_ids: set[str] = set()
         self._tables_view: Mapping[str, NameTable] = StoreMapping(self.tables)
+        self._proc_net: dict[str, int] = {}
+        self.relays = Relays(netns)
         self._chain_group_changes(groups_store)
 
     def _chain_group_changes(self, groups_store: Any) -> None:
@@ -156,6 +172,24 @@ class Network:
         except ValueError as e:
             raise invalid("spec.metadata", f"must be JSON ({e})") from None
         validate_metadata(spec)
+        self._check_published(pod)
+
+    def _check_published(self, pod: PodNet) -> None:
+        """Each publish: on an address of the node that is no service of feosd's, and on a port
+        no other pod publishes and no socket of the node holds (ALREADY_EXISTS naming it)."""
+        others = [(o.id, q) for o in self._known() if o.id != pod.id for q in o.published]
+        listeners = read_listeners(self._proc_net) if pod.published else []
+        own = own_socket_inodes() if pod.published else set()
+        for i, port in enumerate(pod.published):
+            where = f"spec.network.publish[{i}]"
+            check_host_address(port.host_address, f"{where}.hostAddress", self.options,
+                               self._node_addresses)
+            for other_id, q in others:
+                if overlaps(port, q):
+                    raise already_held(where, port, f"pod {other_id} publishes {q.text()}")
+            holder = holder_of_port(port, listeners, own)
+            if holder is not None:
+                raise already_held(where, port, holder)
 
     async def allocate(self, pod: PodNet) -> PodNet:
         self._require()
@@ -182,6 +216,8 @@ class Network:
         spec = TapSpec(tap, v6, v4, self.options.dns_address, self.options.otlp_address,
                        owner_uid=pod.tap_owner_uid, metadata=qemu)
         self._ifindex[tap] = await make_tap(spec, self.netns)
+        if any(4 in families(p.host_address) for p in pod.published):
+            await in_thread(self.netns, _route_localnet, tap)
         self._removed.discard(pod.id)
         self._prepared[pod.id] = pod
         self._refresh()
@@ -243,6 +279,7 @@ class Network:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self._metadata.serve)
+                await nursery.start(self.relays.run)
                 assert self._dns is not None
                 await nursery.start(self._dns.serve)
                 await nursery.start(self._collect)
@@ -256,6 +293,9 @@ class Network:
             self._reason = "the pods' network stopped"
             if self._loader is not None:
                 self._loader.close()
+            for fd in self._proc_net.values():
+                os.close(fd)
+            self._proc_net = {}
 
     async def _start(self) -> None:
         await trio.to_thread.run_sync(lambda: self.pods_dir.mkdir(parents=True, exist_ok=True))
@@ -267,6 +307,7 @@ class Network:
         kept = known_pods(self.view.network_pods(), {}, ())
         self._v6, self._v4 = await trio.to_thread.run_sync(self._load_allocators, kept)
         self._node_addresses = await in_thread(self.netns, read_node_addresses)
+        self._proc_net = await in_thread(self.netns, lambda _: open_proc_net())
         self._loader = NftLoader(self.netns)
         self._writer = TableWriter(self._loader)
         self._refresh()
@@ -346,6 +387,8 @@ class Network:
         self._refresh()
         for pod in self._known():
             tap = tap_or_none(pod.id)
+            if tap in links and any(4 in families(p.host_address) for p in pod.published):
+                await in_thread(self.netns, _route_localnet, tap)  # a TAP an older feosd made
             if pod.driver == "qemu" and tap in links:
                 try:
                     await self._metadata.add_pod(tap, metadata_of(pod))  # a running pod's again
@@ -372,9 +415,11 @@ class Network:
         assert self._writer is not None
         async with self._table_lock:
             try:
-                table = compile_for(self._known(), self.options, dict(self.groups.items()),
+                known = self._known()
+                table = compile_for(known, self.options, dict(self.groups.items()),
                                     self._node_addresses)
                 await self._writer.write(table, full=full)
+                await self.relays.sync(relay_targets(known, self.options))
             except FeosError as e:
                 if raise_errors:
                     raise
@@ -425,6 +470,27 @@ class Network:
         if self._v6 is None or self._v4 is None:
             raise FeosError(Code.FAILED_PRECONDITION, self._reason or STARTING_REASON)
         return self._v6, self._v4
+
+
+def check_host_address(text: str, where: str, options: NetworkOptions,
+                       node_addresses: Sequence[Addr]) -> None:
+    """A publish's host address: none of feosd's own services', and one of the node's."""
+    if not text or text in ("0.0.0.0", "::"):
+        return
+    addr = ipaddress.ip_address(text)
+    named: dict[Addr, str] = {options.dns_address: "the resolver's address (--dns-address)",
+             options.otlp_address: "the OTLP collector's address",
+             METADATA_ADDRESS: "the metadata address"}
+    if addr in named:
+        raise invalid(where, f"{addr} is {named[addr]}: it is never published")
+    if not addr.is_loopback and addr not in node_addresses:
+        raise FeosError(Code.FAILED_PRECONDITION,
+                        f"{where}: {addr} is not an address of this node")
+
+
+def _route_localnet(_: Any, tap: str) -> None:
+    """127.0.0.1 DNATed to the pod may leave by its TAP, and the replies come back by it."""
+    ensure_sysctl(f"net.ipv4.conf.{tap.replace('.', '/')}.route_localnet", "1")
 
 
 def _remove_old_files(pods_dir: Path, netns: str | None) -> list[str]:

@@ -91,8 +91,19 @@ def table_pods(pods: Iterable[PodNet], options: NetworkOptions,
             left.append(pod.id)
             continue
         out.append(nft.PodNet(tap, v6, v4, tuple(pod.security_groups),
-                              local_metadata=pod.driver == "qemu"))
+                              local_metadata=pod.driver == "qemu", published=pod.published))
     return out, left
+
+
+def relay_targets(pods: Iterable[PodNet], options: NetworkOptions) -> dict[int, tuple[str, int]]:
+    """The ::1 relay's ports: each TCP publish of every address, all IPv6 or ::1, to the pod."""
+    out: dict[int, tuple[str, int]] = {}
+    for pod in pods:
+        v6, _ = pod_addresses(pod, options)
+        for p in pod.published:
+            if v6 is not None and p.protocol == "tcp" and p.host_address in ("", "::", "::1"):
+                out[p.host_port] = (str(v6), p.pod_port)
+    return out
 
 
 def tap_or_none(pod_id: str) -> str | None:

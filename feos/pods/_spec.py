@@ -8,6 +8,7 @@ ID is compared with.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import secrets
@@ -18,7 +19,7 @@ from typing import Any
 import attrs
 
 from ..errors import invalid
-from ..net import is_label, validate_metadata, validate_pod_groups
+from ..net import PublishedPort, check_publish, is_label, validate_metadata, validate_pod_groups
 
 CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
 LETTERS = "abcdefghjkmnpqrstvwxyz"
@@ -46,6 +47,7 @@ MIN_MEMORY, MAX_MEMORY = 128, 262144
 MAX_VOLUMES = 8
 MAX_CONTAINERS = 32
 MAX_UPSTREAMS = 8
+MAX_PUBLISH = 64
 
 
 def new_pod_id() -> str:
@@ -86,6 +88,7 @@ class Network:
     security_groups: tuple[str, ...] = ()
     name_tables: tuple[str, ...] = ()
     dns_upstreams: tuple[str, ...] = ()
+    publish: tuple[PublishedPort, ...] = ()
 
 
 @attrs.frozen
@@ -108,7 +111,8 @@ class PodSpec:
         else:
             network = {"pod": {"securityGroups": list(self.network.security_groups),
                                "nameTables": list(self.network.name_tables),
-                               "dnsUpstreams": list(self.network.dns_upstreams)}}
+                               "dnsUpstreams": list(self.network.dns_upstreams),
+                               "publish": [_publish_dict(p) for p in self.network.publish]}}
         return {
             "vcpus": self.vcpus,
             "memoryMib": self.memory_mib,
@@ -125,6 +129,11 @@ class PodSpec:
             "metadataJson": self.metadata_json,
             "diskSizeMib": self.disk_size_mib,
         }
+
+
+def _publish_dict(p: PublishedPort) -> dict[str, Any]:
+    return {"protocol": p.protocol, "hostAddress": p.host_address, "hostPort": p.host_port,
+            "podPort": p.pod_port}
 
 
 def _vcpus(value: Any) -> int:
@@ -213,7 +222,27 @@ def _network(data: dict[str, Any]) -> Network | None:
     upstreams = tuple(pod.get("dnsUpstreams", []))
     if len(upstreams) > MAX_UPSTREAMS:
         raise invalid("spec.network.dnsUpstreams", f"at most {MAX_UPSTREAMS}")
-    return Network(groups, tables, upstreams)
+    return Network(groups, tables, upstreams, _publish(pod.get("publish", [])))
+
+
+def _publish(items: Sequence[dict[str, Any]]) -> tuple[PublishedPort, ...]:
+    """spec.network.publish: ports 1 to 65535, tcp or udp (empty: tcp), an address that parses
+    (written canonically; empty: every address of the node), no two that overlap."""
+    if len(items) > MAX_PUBLISH:
+        raise invalid("spec.network.publish", f"at most {MAX_PUBLISH}")
+    ports = []
+    for i, item in enumerate(items):
+        address = item.get("hostAddress", "") or ""
+        if not isinstance(address, str):
+            raise invalid(f"spec.network.publish[{i}].hostAddress", "must be an address's text")
+        try:
+            address = str(ipaddress.ip_address(address)) if address else ""
+        except ValueError:
+            pass  # check_publish names it
+        ports.append(PublishedPort(item.get("protocol", "") or "tcp", address,
+                                   item.get("hostPort", 0), item.get("podPort", 0)))
+    check_publish(ports, "spec.network.publish")
+    return tuple(ports)
 
 
 def _metadata(text: str) -> str:

@@ -66,14 +66,17 @@ def table(pods: list[PodNet] = PODS, facts: NodeFacts = FACTS) -> Table:
 def test_chains_are_the_spec_s() -> None:
     chains = table().chain_map()
     assert list(chains) == [
-        "prerouting", "input", "forward", "postrouting", "from-pods", "to-pods",
-        "out-pod-00000001", "in-pod-00000001", "out-pod-00000002", "in-pod-00000002",
+        "prerouting", "input", "forward", "postrouting", "nat-prerouting", "nat-output",
+        "from-pods", "to-pods", "publish", "out-pod-00000001", "in-pod-00000001", "out-pod-00000002", "in-pod-00000002",
         "out-pod-00000003", "in-pod-00000003",
     ]  # fmt: skip
     assert chains["prerouting"].hook == "type filter hook prerouting priority -150; policy accept;"
     assert chains["postrouting"].hook == "type nat hook postrouting priority 100; policy accept;"
     assert chains["postrouting"].rules == (
         'ip saddr 169.254.16.0/20 oifname != "pod-*" masquerade',
+        'oifname "pod-*" ip saddr 127.0.0.0/8 masquerade',
+        'oifname "pod-*" ct status dnat ip6 saddr != fc00::/7 snat ip6 to fd12:3456::1',
+        'oifname "pod-*" fib saddr type local ip6 saddr != fc00::/7 snat ip6 to fd12:3456::1',
     )
     assert chains["from-pods"].hook is None
     assert chains["out-pod-00000001"].hook is None
@@ -178,7 +181,7 @@ def test_metadata_of_the_node_for_its_qemu_pods() -> None:
     t = table([pod(1, metadata=True), pod(2)])
     assert t.set_map()["meta-local"].elements == ('"pod-00000001"',)
     rules = t.chain_map()["input"].rules
-    assert rules[-3] == "iifname @meta-local ip daddr 169.254.169.254 tcp dport 80 accept"
+    assert rules[-4] == "iifname @meta-local ip daddr 169.254.169.254 tcp dport 80 accept"
     assert "169.254.0.0/16" in t.set_map()["deny4"].elements  # forwarded, it is denied
 
 
