@@ -280,7 +280,8 @@ class PodService:
         network = pod.spec.network
         assert network is not None
         return PodNet(pod.id, pod.ipv6, pod.ipv4, network.security_groups, network.name_tables,
-                      network.dns_upstreams, pod.spec.metadata_json, pod.driver or "qemu")
+                      network.dns_upstreams, pod.spec.metadata_json, pod.driver or "qemu",
+                      published=network.publish)
 
     def network_pods(self) -> list[PodNet]:
         return [self._net(p) for p in self._pods.values() if p.spec.network is not None]
