@@ -28,6 +28,7 @@ from . import _schema
 from ._codec import snake
 from ._host import HostService, own_binary, replace_binary
 from ._lock import take_lock
+from ._reaper import REAPER
 from ._sdnotify import notify
 from .errors import FeosError
 from .net import Network, add_network_arguments, network_options_from_args
@@ -267,6 +268,7 @@ class Daemon:
         self.load()
         staged = None
         async with capnp_thread() as bridge, trio.open_nursery() as nursery:
+            await nursery.start(REAPER.run)  # the orphans re-parented to feosd (_reaper)
             self.vms = MicroVms(self.state_dir, self.run_dir, bridge, network=self.guest_network,
                                 cgroups=await trio.to_thread.run_sync(vms_cgroups))
             await nursery.start(self.vms.run)
@@ -381,6 +383,7 @@ def vms_cgroups() -> Any:
 
 
 def set_subreaper() -> None:
+    """Become the subreaper of feosd's descendants; `REAPER` reaps the orphans this brings."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         log.warning("cannot become the subreaper of feosd's children: errno %d", ctypes.get_errno())

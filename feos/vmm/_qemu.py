@@ -44,6 +44,7 @@ from typing import Any
 import attrs
 import trio
 
+from feos._reaper import REAPER
 from feos.errors import Code, FeosError, busy
 
 from ._driver import Adopted, Exit, VmHandle, VmState
@@ -204,6 +205,7 @@ class QemuDriver:
         with contextlib.suppress(FileNotFoundError):
             (d / "qmp.sock").unlink()
         pid = await trio.to_thread.run_sync(_spawn, argv, d, incoming)
+        REAPER.claim(pid)  # its status is _reap's (it outlives the thread that spawned it)
         live = _Live(pid, os.pidfd_open(pid))
         self._live[vm.id] = live
         (d / "qemu.pid").write_text(f"{pid}\n")
@@ -429,6 +431,7 @@ class QemuDriver:
         if not alive:
             return await self._adopt_gone(vm)
         assert pid is not None
+        REAPER.claim(pid)  # still feosd's child after a self-upgrade: its status is _reap's
         live = _Live(pid, os.pidfd_open(pid))
         self._live[vm.id] = live
         try:
