@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-import capnp
+import capnp  # type: ignore[import-untyped]
 
 capnp.remove_import_hook()
 

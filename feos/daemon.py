@@ -38,7 +38,7 @@ from .pods._service import PodService
 from .pods._stop import SuspendedForStop
 from .pods._volumes import VolumeService
 from .rpc import CapnpThread, capnp_thread
-from .rpc._server import Cap, listen
+from .rpc._server import Cap, close_listeners, listen
 from .rpc._server import serve as serve_interface
 from .vmm._service import MicroVms
 
@@ -295,8 +295,7 @@ class Daemon:
                 with trio.move_on_after(max(1.0, self.args.stop_grace - 10)):
                     await self.stop_record.suspend_all(self.pods)
             self.pods.events.close()  # watchers hear the end of their streams
-            for server in servers:
-                server.close()
+            await bridge.call(close_listeners, servers)
             nursery.cancel_scope.cancel()
         if staged is not None:
             self.exec_upgrade(staged, lock_fd)

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
-import capnp
+import capnp  # type: ignore[import-untyped]
 import trio
 
 from ..errors import Code, FeosError

@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-import capnp
+import capnp  # type: ignore[import-untyped]
 
 from .. import _schema
 from .._names import snake
