@@ -30,6 +30,7 @@ from ._host import HostService, own_binary, replace_binary
 from ._lock import take_lock
 from ._reaper import REAPER
 from ._sdnotify import notify
+from ._sockpath import reachable
 from .errors import FeosError
 from .net import Network, add_network_arguments, network_options_from_args
 from .net._listenfds import DnsSockets, prepare_exec, take_dns_sockets
@@ -119,7 +120,8 @@ def bind_unix(path: Path) -> socket.socket:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    sock.bind(str(path))
+    with reachable(path) as short:
+        sock.bind(short)
     try:
         gid = grp.getgrnam("feos").gr_gid
     except KeyError:

@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 import capnp  # type: ignore[import-untyped]
 
+from feos._sockpath import reachable
 from feos.errors import Code, FeosError
 
 from ._hello import GUEST_HELLO, Frames, Hello, node_poke
@@ -327,7 +328,8 @@ class GuestClient:
         sock.setblocking(False)
         try:
             async with asyncio.timeout(deadline):
-                await asyncio.get_running_loop().sock_connect(sock, path)
+                with reachable(path) as short:
+                    await asyncio.get_running_loop().sock_connect(sock, short)
                 return await cls._start(SwapLink(sock))
         except TimeoutError:
             sock.close()
@@ -412,7 +414,8 @@ class GuestClient:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
-            await asyncio.get_running_loop().sock_connect(sock, path)
+            with reachable(path) as short:
+                await asyncio.get_running_loop().sock_connect(sock, short)
         except OSError as e:
             sock.close()
             raise FeosError(Code.UNAVAILABLE, f"the guest link {path}: {e.strerror or e}") from None
