@@ -28,7 +28,9 @@ from . import _schema
 from ._codec import snake
 from ._host import HostService, own_binary, replace_binary
 from ._lock import take_lock
+from ._reaper import REAPER
 from ._sdnotify import notify
+from ._sockpath import reachable
 from .errors import FeosError
 from .net import (
     DnsSockets,
@@ -41,7 +43,7 @@ from .net import (
     take_dns_sockets,
 )
 from .pods import PodService, SuspendedForStop, VolumeService
-from .rpc import Cap, CapnpThread, capnp_thread, listen
+from .rpc import Cap, CapnpThread, capnp_thread, close_listeners, listen
 from .rpc import serve as serve_interface
 from .vmm import MicroVms
 
@@ -122,7 +124,8 @@ def bind_unix(path: Path) -> socket.socket:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    sock.bind(str(path))
+    with reachable(path) as short:
+        sock.bind(short)
     try:
         gid = grp.getgrnam("feos").gr_gid
     except KeyError:
@@ -273,6 +276,7 @@ class Daemon:
         self.load()
         staged = None
         async with capnp_thread() as bridge, trio.open_nursery() as nursery:
+            await nursery.start(REAPER.run)  # the orphans re-parented to feosd (_reaper)
             self.vms = MicroVms(self.state_dir, self.run_dir, bridge, network=self.guest_network,
                                 cgroups=await trio.to_thread.run_sync(vms_cgroups))
             await nursery.start(self.vms.run)
@@ -299,8 +303,7 @@ class Daemon:
                 with trio.move_on_after(max(1.0, self.args.stop_grace - 10)):
                     await self.stop_record.suspend_all(self.pods)
             self.pods.events.close()  # watchers hear the end of their streams
-            for server in servers:
-                server.close()
+            await bridge.call(close_listeners, servers)
             nursery.cancel_scope.cancel()
         if staged is not None:
             self.exec_upgrade(staged, lock_fd)
@@ -387,6 +390,7 @@ def vms_cgroups() -> Any:
 
 
 def set_subreaper() -> None:
+    """Become the subreaper of feosd's descendants; `REAPER` reaps the orphans this brings."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         log.warning("cannot become the subreaper of feosd's children: errno %d", ctypes.get_errno())

@@ -20,6 +20,7 @@ from typing import Any
 import capnp
 
 from feos import _schema
+from feos._sockpath import reachable
 from feos.errors import Code, FeosError
 from feos.guest import GUEST_HELLO, Hello, Link, Pump, node_poke
 from feos.rpc import raise_for_status
@@ -166,7 +167,8 @@ class GuestClient:
         sock.setblocking(False)
         try:
             async with asyncio.timeout(deadline):
-                await asyncio.get_running_loop().sock_connect(sock, path)
+                with reachable(path) as short:
+                    await asyncio.get_running_loop().sock_connect(sock, short)
                 return await cls._start(SwapLink(sock), poke_first=poke_first)
         except TimeoutError:
             sock.close()
@@ -247,7 +249,8 @@ class GuestClient:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
-            await asyncio.get_running_loop().sock_connect(sock, path)
+            with reachable(path) as short:
+                await asyncio.get_running_loop().sock_connect(sock, short)
         except OSError as e:
             sock.close()
             raise FeosError(Code.UNAVAILABLE, f"the guest link {path}: {e.strerror or e}") from None

@@ -49,8 +49,8 @@ GATEWAY6_CIDR = "fe80::1"
 NTF_PROXY = 0x08
 IFA_F_NODAD = 0x02
 CLONE_NEWNET = 0x40000000
-IFF_TUN, IFF_TAP, IFF_NO_PI = 0x0001, 0x0002, 0x1000
-TUNSETIFF, TUNSETPERSIST, TUNSETOWNER = 0x400454CA, 0x400454CB, 0x400454CC
+IFF_TUN, IFF_TAP, IFF_NO_PI, IFF_MULTI_QUEUE, IFF_VNET_HDR = 0x1, 0x2, 0x1000, 0x100, 0x4000
+TUNSETIFF, TUNSETPERSIST, TUNSETOWNER, TUNSETGROUP = 0x400454CA, 0x400454CB, 0x400454CC, 0x400454CE
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _SHORT_ID = re.compile(r"^[a-hjkmnp-tv-z][0-9a-hjkmnp-tv-z]{10}$")
@@ -181,15 +181,35 @@ def _step(what: str) -> Iterator[None]:
 
 def create_tuntap(name: str, kind: int, owner_uid: int | None) -> None:
     """A persistent TUN or TAP device in the calling thread's namespace, without packet info
-    (as QEMU and Firecracker open it: the flags of a queue they attach replace these)."""
+    (as QEMU and Firecracker open it: the flags of a queue they attach replace these), owned by
+    `owner_uid` and its group of the same number (a microVM's user: vmm/_jail.py)."""
+    _attached_tuntap(name, kind | IFF_NO_PI, owner_uid, persist=True)
+
+
+def give_tuntap(name: str, flags: int, owner_uid: int) -> None:
+    """An existing device (not attached by anyone: a VMM holding it makes this EBUSY) given to
+    `owner_uid`; `flags` are its own (multi-queue must match, vnet_hdr is kept)."""
+    _attached_tuntap(name, flags, owner_uid, persist=False)
+
+
+def _attached_tuntap(name: str, flags: int, owner_uid: int | None, *, persist: bool) -> None:
     fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
     try:
-        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), kind | IFF_NO_PI))
+        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), flags))
         if owner_uid is not None:
             fcntl.ioctl(fd, TUNSETOWNER, owner_uid)
-        fcntl.ioctl(fd, TUNSETPERSIST, 1)
+            fcntl.ioctl(fd, TUNSETGROUP, owner_uid)
+        if persist:
+            fcntl.ioctl(fd, TUNSETPERSIST, 1)
     finally:
         os.close(fd)
+
+
+def tun_info(ipr: IPRoute, index: int) -> dict[str, int]:
+    """The device's tun attributes (IFLA_TUN_OWNER, _GROUP, _MULTI_QUEUE, _VNET_HDR...), read
+    by netlink: /sys/class/net shows the namespace sysfs was mounted in, not the thread's."""
+    data = ipr.get_links(index)[0].get_nested("IFLA_LINKINFO", "IFLA_INFO_DATA")
+    return dict(data["attrs"]) if data else {}
 
 
 # --- start-up steps -------------------------------------------------------------------------
@@ -296,7 +316,10 @@ async def prepare_node(options: NetworkOptions, netns: str | None = None) -> Nod
 
 @attrs.frozen
 class TapSpec:
-    """A pod's TAP: its name, owner, and the addresses that route to it."""
+    """A pod's TAP: its name, owner, and the addresses that route to it.
+
+    owner_uid is the microVM's user (its group has the same number), which owns the device, so
+    that a VMM running as that user may open it; None leaves it root's."""
 
     name: str
     ipv6: ipaddress.IPv6Address
@@ -327,7 +350,20 @@ def _tap_link(ipr: IPRoute, spec: TapSpec) -> int:
         idx = _index(ipr, spec.name)
         if idx is None:
             raise FeosError(Code.INTERNAL, f"{spec.name} is not there after its creation")
+    elif spec.owner_uid is not None and _owner_differs(ipr, idx, spec.owner_uid):
+        give_tuntap(spec.name, _own_flags(tun_info(ipr, idx)), spec.owner_uid)
     return idx
+
+
+def _owner_differs(ipr: IPRoute, idx: int, uid: int) -> bool:
+    info = tun_info(ipr, idx)
+    return (info.get("IFLA_TUN_OWNER"), info.get("IFLA_TUN_GROUP")) != (uid, uid)
+
+
+def _own_flags(info: dict[str, int]) -> int:
+    flags = IFF_TAP | IFF_NO_PI
+    flags |= IFF_MULTI_QUEUE if info.get("IFLA_TUN_MULTI_QUEUE") else 0
+    return flags | (IFF_VNET_HDR if info.get("IFLA_TUN_VNET_HDR") else 0)
 
 
 def _tap_addresses(ipr: IPRoute, idx: int, spec: TapSpec) -> None:
@@ -403,6 +439,8 @@ def verify_tap_sync(ipr: IPRoute, spec: TapSpec) -> None:
             problems.append("proxy neighbour for 169.254.0.1")
         if bool(_metadata_rules(ipr, spec.name)) != spec.metadata:
             problems.append("metadata rule")
+        if spec.owner_uid is not None and _owner_differs(ipr, idx, spec.owner_uid):
+            problems.append(f"owner (not uid and gid {spec.owner_uid})")
     if problems:
         raise FeosError(Code.INTERNAL, f"{spec.name} is not as made: {', '.join(problems)}")
 

@@ -4,6 +4,12 @@ These run on the Cap'n Proto thread (asyncio) from end to end: the guest's strea
 capabilities there, and the caller's pulls arrive there, so the bytes never cross to trio. Two
 pumps read the guest's stdout and stderr into one queue; `read` hands out what is there (waiting
 for something), and once both have ended and the process has exited, its exit code.
+
+The relay owns its pumps. They end with the guest's streams, or when the caller lets go of the
+ByteStream (it hangs up, or its connection drops): rpc's `serve` then calls `released`, which
+cancels them and lets go of the guest's capabilities, so the guest ends its side (a followed
+log stops being read, the process's stdin closes). The Cap'n Proto thread's end cancels them
+too.
 """
 
 from __future__ import annotations
@@ -19,13 +25,21 @@ CHUNK = 64 * 1024
 
 class Relay:
     def __init__(self, stdout: Any, stderr: Any, process: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=64)
         self._process = process
         self._open = 2
         self._exit: int | None = None
         self._error: FeosError | None = None
-        self._tasks = [asyncio.ensure_future(self._pump("stdout", stdout)),
-                       asyncio.ensure_future(self._pump("stderr", stderr))]
+        self._tasks = {self._loop.create_task(self._pump("stdout", stdout)),
+                       self._loop.create_task(self._pump("stderr", stderr))}
+        for task in self._tasks:
+            task.add_done_callback(self._tasks.discard)
+
+    @property
+    def pumps(self) -> frozenset[asyncio.Task[None]]:
+        """Its pumps that still run."""
+        return frozenset(self._tasks)
 
     async def _pump(self, which: str, reader: Any) -> None:
         try:
@@ -33,8 +47,19 @@ class Relay:
                 await self._queue.put((which, chunk))
         except FeosError as exc:
             self._error = exc
-        finally:
-            await self._queue.put((which, b""))
+        await self._queue.put((which, b""))  # not when cancelled: nobody reads any more
+
+    def released(self) -> None:
+        """The caller has let go of the stream (from a finalizer, on any thread)."""
+        try:
+            self._loop.call_soon_threadsafe(self._end)
+        except RuntimeError:  # the loop has closed, and its tasks with it
+            pass
+
+    def _end(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        self._process = None  # the guest's Process: released, its stdin closes
 
     async def _finish(self) -> None:
         if self._process is None:

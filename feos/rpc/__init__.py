@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from ._bridge import CapnpThread as CapnpThread
     from ._bridge import capnp_thread as capnp_thread
     from ._server import Cap as Cap
+    from ._server import Released as Released
+    from ._server import close_listeners as close_listeners
     from ._server import listen as listen
     from ._server import on_rpc_thread as on_rpc_thread
     from ._server import serve as serve
@@ -25,7 +27,8 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "CapnpThread": "_bridge", "capnp_thread": "_bridge",
-    "Cap": "_server", "listen": "_server", "on_rpc_thread": "_server", "serve": "_server",
+    "Cap": "_server", "Released": "_server", "close_listeners": "_server",
+    "listen": "_server", "on_rpc_thread": "_server", "serve": "_server",
     "status_dict": "_server",
 }  # fmt: skip
 

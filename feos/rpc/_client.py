@@ -14,6 +14,7 @@ import capnp
 
 from .. import _schema
 from .._names import snake
+from .._sockpath import reachable
 from ..errors import Code, FeosError
 
 SERVICES = ("pods", "volumes", "securityGroups", "names", "traffic", "host", "mesh")
@@ -100,4 +101,5 @@ class Client:
 async def _sock_connect(sock: socket.socket, path: str) -> None:
     import asyncio
 
-    await asyncio.get_running_loop().sock_connect(sock, path)
+    with reachable(path) as short:
+        await asyncio.get_running_loop().sock_connect(sock, short)

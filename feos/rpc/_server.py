@@ -9,7 +9,9 @@ answers UNIMPLEMENTED. A service returns `Cap(interface, impl)` for a capability
 stream), which is served the same way.
 
 Listeners are sockets feosd made itself (so a self-upgrade can hand them on); each connection is
-its own two-party session, and garbage on one closes that one alone.
+its own two-party session, and garbage on one closes that one alone. The listeners are asyncio
+servers: they are opened and closed on the Cap'n Proto thread (`listen`, `close_listeners`
+through `bridge.call`), never touched from trio's.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Awaitable, Callable
-from typing import Any
+import weakref
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import attrs
 
@@ -117,9 +120,25 @@ def _server_class(interface: Any) -> type:
     return cls
 
 
+@runtime_checkable
+class Released(Protocol):
+    """A capability's service that owns what must end once no client holds it (a relay's tasks).
+
+    `released` may run on any thread (a finalizer): it hands its work to the loop it belongs to.
+    """
+
+    def released(self) -> None: ...
+
+
 def serve(interface: Any, impl: object, bridge: CapnpThread) -> Any:
-    """A pycapnp server object of `interface` backed by the trio service `impl`."""
-    return _server_class(interface)(impl, bridge)
+    """A pycapnp server object of `interface` backed by the trio service `impl`.
+
+    pycapnp drops its server object once the last client has let go of the capability (a
+    release, or the connection's end): then a `Released` impl hears it."""
+    server = _server_class(interface)(impl, bridge)
+    if isinstance(impl, Released):
+        weakref.finalize(server, impl.released)
+    return server
 
 
 async def _accept(bootstrap: Callable[[], Any], stream: Any) -> None:
@@ -138,7 +157,7 @@ async def _accept(bootstrap: Callable[[], Any], stream: Any) -> None:
             server.close()
 
 
-async def listen(sock: socket.socket, bootstrap: Callable[[], Any]) -> Any:
+async def listen(sock: socket.socket, bootstrap: Callable[[], Any]) -> asyncio.Server:
     """On the Cap'n Proto thread: serve every connection on the listening socket `sock`."""
     import capnp
 
@@ -146,5 +165,24 @@ async def listen(sock: socket.socket, bootstrap: Callable[[], Any]) -> Any:
         await _accept(bootstrap, stream)
 
     if sock.family == socket.AF_UNIX:
-        return await capnp.AsyncIoStream.create_unix_server(on_connect, sock=sock)
-    return await capnp.AsyncIoStream.create_server(on_connect, sock=sock)
+        server = await capnp.AsyncIoStream.create_unix_server(on_connect, sock=sock)
+    else:
+        server = await capnp.AsyncIoStream.create_server(on_connect, sock=sock)
+    return cast(asyncio.Server, server)
+
+
+async def close_listeners(servers: Iterable[asyncio.Server]) -> None:
+    """On the Cap'n Proto thread (`bridge.call`): stop accepting; the connections end with it.
+
+    An asyncio server belongs to its loop's thread: closed from trio's, it would change the
+    loop's selector under the loop's feet."""
+    _need_capnp_thread("the API's listeners are closed")
+    for server in servers:
+        server.close()
+
+
+def _need_capnp_thread(what: str) -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        raise RuntimeError(f"{what} on the Cap'n Proto thread, through the bridge") from None

@@ -33,6 +33,7 @@ from typing import Any
 
 import trio
 
+from feos._reaper import REAPER
 from feos.errors import Code, FeosError, busy
 
 from . import _cgroup, _jail
@@ -186,6 +187,7 @@ class FirecrackerDriver:
         finally:
             for fd in fds:
                 os.close(fd)
+        REAPER.claim(proc.pid)  # trio's Process reads its status, after the spawner thread ends
         self._procs[vm.id] = proc
         try:
             if not jailer_moves:

@@ -29,6 +29,7 @@ from typing import Any
 import attrs
 import trio
 
+from feos._sockpath import reachable
 from feos.errors import Code, FeosError
 
 log = logging.getLogger("feos.vmm.guest")
@@ -139,7 +140,8 @@ async def connect_poking(path: str, deadline: float = ATTACH_S) -> Any:
     sock.setblocking(False)
     try:
         async with asyncio.timeout(deadline):
-            await asyncio.get_running_loop().sock_connect(sock, path)
+            with reachable(path) as short:
+                await asyncio.get_running_loop().sock_connect(sock, short)
             link = SwapLink(sock)
             await link.send(node_poke(secrets.token_hex(8)))
             pump = Pump(link)

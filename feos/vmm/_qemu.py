@@ -44,9 +44,11 @@ from typing import Any
 import attrs
 import trio
 
+from feos._reaper import REAPER
 from feos.errors import Code, FeosError, busy
 
 from ._driver import Adopted, Exit, VmHandle, VmState
+from ._jail import _set_tap_owner
 from ._qemu_argv import Drive, QemuConfig, Tap, host_tsc_khz, kernel_cmdline, qemu_argv
 from ._qmp import Qmp, connect_qmp
 
@@ -203,7 +205,10 @@ class QemuDriver:
         d = vm.directory
         with contextlib.suppress(FileNotFoundError):
             (d / "qmp.sock").unlink()
+        if vm.spec.tap is not None and vm.uid is not None and os.geteuid() == 0:
+            await trio.to_thread.run_sync(give_tap, vm.spec.tap, vm.uid)
         pid = await trio.to_thread.run_sync(_spawn, argv, d, incoming)
+        REAPER.claim(pid)  # its status is _reap's (it outlives the thread that spawned it)
         live = _Live(pid, os.pidfd_open(pid))
         self._live[vm.id] = live
         (d / "qemu.pid").write_text(f"{pid}\n")
@@ -429,6 +434,7 @@ class QemuDriver:
         if not alive:
             return await self._adopt_gone(vm)
         assert pid is not None
+        REAPER.claim(pid)  # still feosd's child after a self-upgrade: its status is _reap's
         live = _Live(pid, os.pidfd_open(pid))
         self._live[vm.id] = live
         try:
@@ -505,6 +511,16 @@ def _spawn(argv: list[str], d: Path, incoming: Path | None) -> int:
     finally:
         for fd in opened:
             os.close(fd)
+
+
+def give_tap(tap: str, uid: int) -> None:
+    """The pod's TAP to the microVM's user and its group (the same number), if it is not
+    theirs yet: the network makes it before the microVM, and its uid, exist."""
+    sysfs = Path(f"/sys/class/net/{tap}")
+    with contextlib.suppress(FileNotFoundError):  # no TAP: QEMU says so at its start
+        owner = [(sysfs / f).read_text().strip() for f in ("owner", "group")]
+        if owner != [str(uid), str(uid)]:
+            _set_tap_owner(tap, uid, uid)
 
 
 def _waitid(pidfd: int) -> tuple[int | None, int | None]:

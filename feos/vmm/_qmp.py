@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 import trio
 
+from feos._sockpath import reachable
 from feos.errors import Code, FeosError
 
 MAX_LINE = 1 << 20  # a QMP message is small; a longer line means the peer is not QEMU
@@ -204,8 +205,8 @@ async def connect_qmp(path: str, *, within: float = 5.0) -> Qmp:
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     qmp = Qmp(sock)
     try:
-        with trio.fail_after(within):
-            await sock.connect(path)
+        with trio.fail_after(within), reachable(path) as short:
+            await sock.connect(short)
             await qmp.execute("qmp_capabilities")
     except trio.TooSlowError:
         qmp.close()

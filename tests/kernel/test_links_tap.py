@@ -12,6 +12,7 @@ from feos.net._links import (
     TapSpec,
     delete_tap,
     make_tap,
+    netns_entered,
     prepare_node,
     tap_name,
 )
@@ -117,3 +118,55 @@ async def test_tap_with_wrong_address_order_is_mended(netns: Any) -> None:
     assert [a["local"] for a in dev["addr_info"] if a["family"] == "inet"] == [
         "169.254.0.53", "169.254.169.1"]
 
+
+
+ATTACH = """
+import fcntl, struct, sys
+try:
+    fcntl.ioctl(int(sys.argv[1]), 0x400454CA, struct.pack("16sH", sys.argv[2].encode(), 0x1002))
+except OSError as e:
+    print(e.errno)
+else:
+    print(0)
+"""
+
+
+def _attach_as(netns: Any, uid: int, name: str) -> int:
+    """0 if a process of `uid` attaches a queue to the TAP, else its errno. The kernel checks
+    the caller at TUNSETIFF; the machine's /dev/net/tun may be root's alone (0600), so the
+    process gets it open (in the namespace: the device's lookup is in the opener's)."""
+    import os
+    import subprocess
+    import sys
+
+    with netns_entered(netns.name):
+        fd = os.open("/dev/net/tun", os.O_RDWR)
+    try:
+        done = subprocess.run(
+            ["ip", "netns", "exec", netns.name, "setpriv", f"--reuid={uid}", f"--regid={uid}",
+             "--clear-groups", sys.executable, "-c", ATTACH, str(fd), name],
+            pass_fds=(fd,), capture_output=True, text=True, check=True)
+    finally:
+        os.close(fd)
+    return int(done.stdout)
+
+
+async def test_tap_belongs_to_the_microvms_user(netns: Any) -> None:
+    await prepare_node(OPTIONS, netns.name)
+    spec = _spec()
+    await make_tap(spec, netns.name)
+    sysfs = f"/sys/class/net/{spec.name}"
+    owner = netns.run("cat", f"{sysfs}/owner", f"{sysfs}/group")
+    assert owner.stdout.split() == ["4242", "4242"]
+    assert _attach_as(netns, 4242, spec.name) == 0
+    assert _attach_as(netns, 4243, spec.name) == 1  # EPERM: not its user's
+
+
+async def test_a_tap_of_roots_is_given_to_the_microvms_user(netns: Any) -> None:
+    await prepare_node(OPTIONS, netns.name)
+    spec = _spec()
+    netns.run("ip", "tuntap", "add", "dev", spec.name, "mode", "tap", "vnet_hdr")  # root's
+    await make_tap(spec, netns.name)
+    (link,) = _ip_json(netns, "-d", "link", "show", "dev", spec.name)
+    data = link["linkinfo"]["info_data"]
+    assert (str(data["user"]), str(data["group"]), data["vnet_hdr"]) == ("4242", "4242", True)

@@ -148,3 +148,25 @@ async def test_stop_with_calls_in_flight_answers_them() -> None:
     assert answers == ["UNAVAILABLE: feosd stops"]
     with pytest.raises(FeosError, match="feosd stops"):
         await held[0].call(asyncio.sleep, 0)
+
+
+async def test_the_listeners_are_closed_on_the_capnp_thread_only() -> None:
+    import socket
+
+    from feos.rpc._server import close_listeners, listen
+
+    async with capnp_thread() as bridge:
+        a = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        a.bind(("127.0.0.1", 0))
+        a.listen()
+        server = await bridge.call(listen, a, lambda: None)
+        with pytest.raises(RuntimeError, match="on the Cap'n Proto thread"):
+            await close_listeners([server])  # from trio's thread: refused, left open
+        assert a.fileno() != -1
+        await bridge.call(close_listeners, [server])
+
+        async def closed() -> bool:
+            await server.wait_closed()
+            return not server.is_serving()
+
+        assert await bridge.call(closed)
