@@ -10,7 +10,6 @@ SIGTERM or SIGINT, or until an upgrade replaces it with a new program under the 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import fcntl
 import grp
 import logging
@@ -24,7 +23,7 @@ from typing import Any
 
 import trio
 
-from . import _schema
+from . import _schema, native
 from ._codec import snake
 from ._host import HostService, own_binary, replace_binary
 from ._lock import take_lock
@@ -49,7 +48,6 @@ from .vmm import MicroVms
 
 log = logging.getLogger("feosd")
 
-PR_SET_CHILD_SUBREAPER = 36
 LISTEN_VARIABLE = "FEOS_LISTEN_FDS"
 
 
@@ -391,9 +389,10 @@ def vms_cgroups() -> Any:
 
 def set_subreaper() -> None:
     """Become the subreaper of feosd's descendants; `REAPER` reaps the orphans this brings."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        log.warning("cannot become the subreaper of feosd's children: errno %d", ctypes.get_errno())
+    try:
+        native.set_child_subreaper()
+    except OSError as exc:
+        log.warning("cannot become the subreaper of feosd's children: %s", exc)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -17,7 +17,6 @@ reachable for the node.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import hashlib
@@ -38,6 +37,7 @@ from pyroute2.netlink.exceptions import NetlinkError  # type: ignore[import-unty
 
 from feos.errors import Code, FeosError, invalid
 
+from .. import native
 from ._options import GATEWAY4, METADATA4, NetworkOptions
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,6 @@ CLONE_NEWNET = 0x40000000
 IFF_TUN, IFF_TAP, IFF_NO_PI, IFF_MULTI_QUEUE, IFF_VNET_HDR = 0x1, 0x2, 0x1000, 0x100, 0x4000
 TUNSETIFF, TUNSETPERSIST, TUNSETOWNER, TUNSETGROUP = 0x400454CA, 0x400454CB, 0x400454CC, 0x400454CE
 
-_libc = ctypes.CDLL(None, use_errno=True)
 _SHORT_ID = re.compile(r"^[a-hjkmnp-tv-z][0-9a-hjkmnp-tv-z]{10}$")
 T = TypeVar("T")
 
@@ -109,9 +108,7 @@ def netns_entered(netns: str | None) -> Iterator[None]:
 
 
 def _setns(fd: int) -> None:
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"setns: {os.strerror(e)}")
+    native.setns(fd, CLONE_NEWNET)
 
 
 async def in_thread(netns: str | None, fn: Callable[..., T], *args: Any) -> T:
