@@ -227,14 +227,15 @@ class PodService:
     def _new_change(self, pod: Pod, what: str, deadline_s: float,
                     fn: Callable[[Pod], Awaitable[T]], **kw: Any) -> Change[T]:
         wait = lock_wait_s(pod.spec.memory_mib, self._attach_timeout)
-        return Change(pod, what, deadline_s, wait, fn, acts=self._is_current, **kw)
+        kw.setdefault("acts", self._is_current)
+        return Change(pod, what, deadline_s, wait, fn, **kw)
 
     async def _change(self, pod: Pod, what: str, deadline_s: float,
                       fn: Callable[[Pod], Awaitable[T]], *, end_bringup: bool = False,
-                      node: bool = False) -> T:
+                      node: bool = False, **kw: Any) -> T:
         """Run fn as a change of the pod and wait for it: the caller may go, it goes on."""
         before = (lambda: self._end_bring_up(pod, what)) if end_bringup else None
-        change = self._new_change(pod, what, deadline_s, fn, before=before)
+        change = self._new_change(pod, what, deadline_s, fn, before=before, **kw)
         return await self._changes.submit(change, node=node).result()
 
     def _spawn_bring_up(self, pod: Pod) -> None:
@@ -340,7 +341,7 @@ class PodService:
         now = time.time_ns()
         new = Pod(req.id, req.spec, state=lc.ABSENT, created_ns=now, changed_ns=now,
                   image_layers=req.image_layers, pull_token=req.pull_token)
-        pod = await self._change(new, "create", CREATE_S, self._create)
+        pod = await self._change(new, "create", CREATE_S, self._create, acts=_new)
         return {"pod": pod.answer()}
 
     async def _create(self, pod: Pod) -> Pod:
@@ -414,15 +415,13 @@ class PodService:
             await self._apply(pod, "start", step="start")
             self._spawn_bring_up(pod)
 
-        await self._change(pod, "start", START_S, start)
-        return {"pod": pod.answer()}
+        return await self._change(pod, "start", START_S, answered(start))
 
     @edge(PodRef)
     async def stop_pod(self, req: PodRef) -> dict[str, Any]:
         self._changes.check()
         pod = self._get(req.id)
-        await self._change(pod, "stop", STOP_S, self._stop, end_bringup=True)
-        return {"pod": pod.answer()}
+        return await self._change(pod, "stop", STOP_S, answered(self._stop), end_bringup=True)
 
     async def _stop(self, pod: Pod) -> None:
         if lc.next_state(pod.state, "stop", pod.id) == pod.state:
@@ -481,8 +480,8 @@ class PodService:
     async def suspend_pod(self, req: PodRef) -> dict[str, Any]:
         self._changes.check()
         pod = self._get(req.id)
-        await self._change(pod, "suspend", suspend_s(pod.spec.memory_mib), self._suspend)
-        return {"pod": pod.answer()}
+        return await self._change(pod, "suspend", suspend_s(pod.spec.memory_mib),
+                                  answered(self._suspend))
 
     async def _suspend(self, pod: Pod) -> None:
         if lc.next_state(pod.state, "suspend", pod.id) == pod.state:
@@ -494,8 +493,7 @@ class PodService:
     async def resume_pod(self, req: PodRef) -> dict[str, Any]:
         self._changes.check()
         pod = self._get(req.id)
-        await self._change(pod, "resume", RESUME_S, self._resume)
-        return {"pod": pod.answer()}
+        return await self._change(pod, "resume", RESUME_S, answered(self._resume))
 
     async def _resume(self, pod: Pod) -> None:
         if lc.next_state(pod.state, "resume", pod.id) == pod.state:
@@ -566,6 +564,20 @@ class PodService:
     def close(self) -> None:
         self.events.close()
         self._records.close()
+
+
+def answered(fn: Callable[[Pod], Awaitable[None]]) -> Callable[[Pod], Awaitable[dict[str, Any]]]:
+    """The change, answering the pod as it left it (not as a later change made it)."""
+
+    async def change(pod: Pod) -> dict[str, Any]:
+        await fn(pod)
+        return {"pod": pod.answer()}
+
+    return change
+
+
+def _new(pod: Pod) -> bool:
+    return True  # a create's pod is its own until it is kept
 
 
 def found(vm: VmInfo | None) -> tuple[str, str]:
