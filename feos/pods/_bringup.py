@@ -19,7 +19,7 @@ from ..errors import Code, FeosError
 from ..vmm import VmInfo, VmSpec, VmState, newest_guest
 from ..vmm._service import guest_root
 from ._disks import ensure_pod_disk, ensure_volume_disk, pod_disk
-from ._network import PodNet, PodNetworkService
+from ._netface import NetworkFace
 from ._pod import Pod
 from ._ports import ContainerConfig, Guest, MicroVmsPort, VolumeMount, Volumes, VolumeSpec
 
@@ -35,8 +35,7 @@ class BringUp:
         vms: MicroVmsPort,
         volumes: Volumes,
         *,
-        network: Callable[[], tuple[PodNetworkService | None, str]],
-        net: Callable[[Pod], PodNet],
+        network: NetworkFace,
         step: Callable[[Pod, str], None],
         keep: Callable[[Pod], Awaitable[None]],
         attach_s: float,
@@ -45,7 +44,6 @@ class BringUp:
         self._vms = vms
         self._volumes = volumes
         self._network = network
-        self._net = net
         self._step = step
         self._keep = keep
         self.attach_s = attach_s
@@ -91,13 +89,8 @@ class BringUp:
                 raise FeosError(Code.FAILED_PRECONDITION, f"volume {volume_id} is not on this node")
             path = await ensure_volume_disk(self._volumes.disk_path(volume_id), volume.size_bytes)
             volume_disks.append(str(path))
-        tap = mac = None
-        if pod.spec.network is not None:
-            network, reason = self._network()
-            if network is None:
-                raise FeosError(Code.FAILED_PRECONDITION, reason)
-            link = await network.prepare(self._net(pod))
-            tap, mac = link.tap, link.mac
+        link = await self._network.prepare(pod)
+        tap, mac = (link.tap, link.mac) if link is not None else (None, None)
         return VmSpec(vcpus=pod.spec.vcpus, memory_mib=pod.spec.memory_mib, data_disk=str(disk),
                       volumes=tuple(volume_disks), tap=tap, mac=mac, metadata=metadata(pod))
 

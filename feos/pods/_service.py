@@ -54,10 +54,10 @@ from ._changes import (
 )
 from ._disks import remove_pod_disk
 from ._events import EventHub
+from ._netface import NetworkFace, naming
 from ._network import PodNet, PodNetworkService
 from ._pod import Pod, container_status, from_record
 from ._ports import Guest, MicroVmsPort, Named, NetworkConfig, Records, Volumes
-from ._spec import PodSpec
 from ._streams import open_exec, open_logs
 
 log = logging.getLogger(__name__)
@@ -85,18 +85,15 @@ class PodService:
         self.state_dir = state_dir
         self._vms = vms
         self._volumes = volumes
-        self._network = network
-        self._network_reason = network_reason
-        self._groups = groups
-        self._tables = tables
+        self._net = NetworkFace(network, network_reason, groups=groups, tables=tables)
         self._attach_timeout = attach_timeout
         self._records: Records = records or RecordDir(
             state_dir / "pods", _schema.pod().PodInfo, thread_name="pod-records")
         self._pods: dict[str, Pod] = {}
         self._pods_lock = trio.Lock()
         self._changes = Changes()
-        self._bringup = BringUp(state_dir, vms, volumes, network=self._network_now, net=self._net,
-                                step=self._step, keep=self._keep, attach_s=attach_timeout)
+        self._bringup = BringUp(state_dir, vms, volumes, network=self._net, step=self._step,
+                                keep=self._keep, attach_s=attach_timeout)
         self.events = EventHub()
 
     # -- running ---------------------------------------------------------------------------
@@ -112,7 +109,7 @@ class PodService:
             self._pods[pod.id] = pod
 
     def attach_network(self, network: PodNetworkService) -> None:
-        self._network = network
+        self._net.network = network
 
     async def run(self, *, task_status: trio.TaskStatus[PodService] = trio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -122,8 +119,8 @@ class PodService:
             await self._give_addresses()
             for pod in list(self._pods.values()):
                 await self._take_over(pod)
-            self._network_changed()
-            loaded = getattr(self._network, "pods_loaded", None)
+            self._net.changed()
+            loaded = getattr(self._net.network, "pods_loaded", None)
             if loaded is not None:
                 loaded()  # the resolver answers the queries that waited
             nursery.start_soon(self._follow_vms, self._vms.subscribe())
@@ -132,18 +129,16 @@ class PodService:
 
     async def _give_addresses(self) -> None:
         """Kept pods with a network get the addresses they lack (one of an earlier network)."""
-        if self._network is None or self._network.unavailable() is not None:
+        network = self._net.network
+        if network is None or network.unavailable() is not None:
             return
         for pod in self._pods.values():
-            if pod.spec.network is None:
-                continue
             try:
-                net = await self._network.allocate(self._net(pod))
+                changed = await self._net.allocate(pod)
             except FeosError as exc:
                 log.error("pod %s: no addresses: %s", pod.id, exc)
                 continue
-            if (net.ipv6, net.ipv4) != (pod.ipv6, pod.ipv4):
-                pod.ipv6, pod.ipv4 = net.ipv6, net.ipv4
+            if changed:
                 await self._keep(pod)
 
     async def _reconcile_volumes(self) -> None:
@@ -256,7 +251,7 @@ class PodService:
         if pod.state != lc.PENDING:
             return
         try:
-            self._check_named(pod)
+            self._net.check_named(pod)
             await self._bringup.run(pod)
         except FeosError as exc:
             await self._failed(pod, exc.message)
@@ -278,60 +273,19 @@ class PodService:
 
     # -- the network ------------------------------------------------------------------------
 
-    def _network_now(self) -> tuple[PodNetworkService | None, str]:
-        return self._network, self._network_reason
-
-    def _net(self, pod: Pod) -> PodNet:
-        network = pod.spec.network
-        assert network is not None
-        return PodNet(pod.id, pod.ipv6, pod.ipv4, network.security_groups, network.name_tables,
-                      network.dns_upstreams, pod.spec.metadata_json, pod.driver or "qemu")
-
     def network_pods(self) -> list[PodNet]:
-        return [self._net(p) for p in self._pods.values() if p.spec.network is not None]
-
-    def _network_changed(self) -> None:
-        if self._network is not None:
-            self._network.pods_changed()
+        return self._net.pods(self._pods.values())
 
     async def guest_network(self, pod_id: str) -> NetworkConfig | None:
         """The guest's network configuration, pushed after an attach and a resume."""
         pod = self._pods.get(pod_id)
-        if pod is None or pod.spec.network is None or self._network is None or not pod.ipv6:
-            return None
-        config = self._network.guest_network(self._net(pod))
-        return NetworkConfig(ipv6=config.ipv6, ipv4=config.ipv4, resolvers=(config.resolver,),
-                             mtu=config.mtu)
-
-    def _check_network(self, spec: PodSpec) -> None:
-        if spec.network is None:
-            return
-        reason = (self._network_reason if self._network is None
-                  else self._network.unavailable())
-        if reason is not None:
-            raise FeosError(Code.FAILED_PRECONDITION,
-                            f"pods with a network cannot be made: {reason}")
-
-    def _check_named(self, pod: Pod) -> None:
-        """A pod whose groups or name tables the node lacks does not boot or resume."""
-        network = pod.spec.network
-        if network is None:
-            return
-        missing = [f"security group {g}" for g in network.security_groups
-                   if self._groups is not None and g not in self._groups.store]
-        missing += [f"name table {t}" for t in network.name_tables
-                    if self._tables is not None and t not in self._tables.store]
-        if missing:
-            raise FeosError(Code.FAILED_PRECONDITION,
-                            f"pod {pod.id} names what the node does not have: {', '.join(missing)}")
+        return None if pod is None else self._net.guest_config(pod)
 
     def pods_naming_group(self, group_id: str) -> list[str]:
-        return [p.id for p in self._pods.values()
-                if p.spec.network is not None and group_id in p.spec.network.security_groups]
+        return naming(self._pods.values(), group=group_id)
 
     def pods_naming_table(self, table_id: str) -> list[str]:
-        return [p.id for p in self._pods.values()
-                if p.spec.network is not None and table_id in p.spec.network.name_tables]
+        return naming(self._pods.values(), table=table_id)
 
     # -- the API: create, get, list ---------------------------------------------------------
 
@@ -352,21 +306,17 @@ class PodService:
                     raise FeosError(Code.ALREADY_EXISTS, f"pod {pod.id} exists with another spec")
                 return found
             await self._claim_and_keep(pod)
-        self._network_changed()
+        self._net.changed()
         self._spawn_bring_up(pod)
         return pod
 
     async def _claim_and_keep(self, pod: Pod) -> None:
-        self._check_network(pod.spec)
-        if pod.spec.network is not None and self._network is not None:
-            self._network.check_spec(self._net(pod))
+        self._net.check_can_make(pod)
         volumes = pod.spec.volume_ids()
         await bounded_write(lambda: self._volumes.claim(pod.id, volumes), f"pod {pod.id}'s volumes")
         kept = False
         try:
-            if pod.spec.network is not None and self._network is not None:
-                net = await self._network.allocate(self._net(pod))
-                pod.ipv6, pod.ipv4 = net.ipv6, net.ipv4
+            await self._net.allocate(pod)
             self._pods[pod.id] = pod
             await self._apply(pod, "create", step="created")
             kept = True
@@ -410,7 +360,7 @@ class PodService:
                 if pod.state == lc.PENDING and ended:
                     self._spawn_bring_up(pod)  # one that a failed stop ended
                 return
-            self._check_named(pod)
+            self._net.check_named(pod)
             pod.pull_token = req.pull_token
             await self._apply(pod, "start", step="start")
             self._spawn_bring_up(pod)
@@ -452,14 +402,13 @@ class PodService:
         pod = self._get(req.id)
         await self._change(pod, "delete", DELETE_S, self._delete, end_bringup=True)
         self.events.publish(pod.id, pod.state, deleted=True, reason="deleted")
-        self._network_changed()
+        self._net.changed()
         return {}
 
     async def _delete(self, pod: Pod) -> None:
         lc.next_state(pod.state, "delete", pod.id)
         await self._vms.delete(pod.id)
-        if pod.spec.network is not None and self._network is not None:
-            await self._network.remove(self._net(pod))
+        await self._net.remove(pod)
         await remove_pod_disk(self.state_dir, pod.id)
         await bounded_write(lambda: self._volumes.release(pod.id),
                             f"the release of pod {pod.id}'s volumes")
@@ -498,9 +447,8 @@ class PodService:
     async def _resume(self, pod: Pod) -> None:
         if lc.next_state(pod.state, "resume", pod.id) == pod.state:
             return
-        self._check_named(pod)
-        if pod.spec.network is not None and self._network is not None:
-            await self._network.prepare(self._net(pod))
+        self._net.check_named(pod)
+        await self._net.prepare(pod, boot=False)
         await self._vms.resume(pod.id)
         await self._apply(pod, "resume")
 
