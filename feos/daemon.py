@@ -5,6 +5,11 @@ node's lock (waiting as long as another feosd holds it), becomes the subreaper o
 starts the Cap'n Proto thread, loads the records, binds the API's listeners (or takes them over
 from the feosd that exec'd it in a self-upgrade), tells systemd it is ready, and serves until
 SIGTERM or SIGINT, or until an upgrade replaces it with a new program under the same pid.
+
+The stop (`_stop_pods`) first refuses every new pod change with UNAVAILABLE "feosd stops", then
+(with --suspend-on-stop) suspends the running pods, then lets the changes in flight end within
+--stop-grace; only the ones still running then are cancelled, and only then do the services'
+nurseries end (docs/pods.md, "The node's stop").
 """
 
 from __future__ import annotations
