@@ -312,10 +312,13 @@ class Daemon:
         self.pods.refuse_changes()
         grace = self.args.stop_grace
         end = trio.current_time() + grace - min(STOP_MARGIN_S, grace / 10)
-        if suspend:
-            with trio.move_on_after(max(1.0, grace - 10)):
-                await self.stop_record.suspend_all(self.pods)
-        await self.pods.finish_changes(max(0.0, end - trio.current_time()))
+        # A second SIGTERM or SIGINT meanwhile is taken (and left unread): the stop goes on, rather
+        # than Python's default ending feosd in the middle of the changes it waits for.
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT):
+            if suspend:
+                with trio.move_on_after(max(1.0, grace - 10)):
+                    await self.stop_record.suspend_all(self.pods)
+            await self.pods.finish_changes(max(0.0, end - trio.current_time()))
 
     async def guest_network(self, vm_id: str) -> Any:
         return await self.pods.guest_network(vm_id) if self.pods is not None else None
