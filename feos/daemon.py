@@ -5,6 +5,11 @@ node's lock (waiting as long as another feosd holds it), becomes the subreaper o
 starts the Cap'n Proto thread, loads the records, binds the API's listeners (or takes them over
 from the feosd that exec'd it in a self-upgrade), tells systemd it is ready, and serves until
 SIGTERM or SIGINT, or until an upgrade replaces it with a new program under the same pid.
+
+The stop (`_stop_pods`) first refuses every new pod change with UNAVAILABLE "feosd stops", then
+(with --suspend-on-stop) suspends the running pods, then lets the changes in flight end within
+--stop-grace; only the ones still running then are cancelled, and only then do the services'
+nurseries end (docs/pods.md, "The node's stop").
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from .vmm import MicroVms
 
 log = logging.getLogger("feosd")
 
+STOP_MARGIN_S = 5.0  # of --stop-grace, for what the stop does after the pods' changes
 LISTEN_VARIABLE = "FEOS_LISTEN_FDS"
 
 
@@ -81,7 +87,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         default=300.0,
         metavar="SECONDS",
-        help="how long a stop may take before feosd is killed (default 300)",
+        help="how long a stop may take before feosd is killed: the pods' changes in flight "
+        "end within it, and are cancelled only then (default 300)",
     )
     add_network_arguments(p.add_argument_group("the pods' network"))
     cp = p.add_argument_group("the control plane (not built yet: accepted and logged)")
@@ -297,14 +304,28 @@ class Daemon:
             notify("READY=1")
             nursery.start_soon(self.stop_record.resume, self.pods)
             staged = await self._wait_for_end()
-            if staged is None and self.args.suspend_on_stop:
-                with trio.move_on_after(max(1.0, self.args.stop_grace - 10)):
-                    await self.stop_record.suspend_all(self.pods)
+            await self._stop_pods(suspend=staged is None and self.args.suspend_on_stop)
             self.pods.events.close()  # watchers hear the end of their streams
             await bridge.call(close_listeners, servers)
             nursery.cancel_scope.cancel()
         if staged is not None:
             self.exec_upgrade(staged, lock_fd)
+
+    async def _stop_pods(self, *, suspend: bool) -> None:
+        """The pods' part of a stop: every new change refused (UNAVAILABLE "feosd stops"), the
+        running pods suspended if asked, the changes in flight left to end within --stop-grace
+        (less a margin for what comes after), and only then the ones left cancelled."""
+        assert self.pods is not None
+        self.pods.refuse_changes()
+        grace = self.args.stop_grace
+        end = trio.current_time() + grace - min(STOP_MARGIN_S, grace / 10)
+        # A second SIGTERM or SIGINT meanwhile is taken (and left unread): the stop goes on, rather
+        # than Python's default ending feosd in the middle of the changes it waits for.
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT):
+            if suspend:
+                with trio.move_on_after(max(1.0, grace - 10)):
+                    await self.stop_record.suspend_all(self.pods)
+            await self.pods.finish_changes(max(0.0, end - trio.current_time()))
 
     async def guest_network(self, vm_id: str) -> Any:
         return await self.pods.guest_network(vm_id) if self.pods is not None else None

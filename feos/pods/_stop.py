@@ -15,12 +15,15 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from ..errors import FeosError
 from ..records import remove_whole, write_whole
+
+if TYPE_CHECKING:
+    from ._service import PodService
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +53,8 @@ class SuspendedForStop:
         async with self._lock:
             await trio.to_thread.run_sync(write_whole, self.path, data)
 
-    async def suspend_all(self, pods: Any) -> None:
-        pods.stopping = True
+    async def suspend_all(self, pods: PodService) -> None:
+        pods.refuse_changes()
         stopped_ns = time.time_ns()
         done: list[str] = []
         busy: list[str] = []
@@ -85,7 +88,7 @@ class SuspendedForStop:
                 else:
                     await one(pod_id)
 
-    async def resume(self, pods: Any) -> None:
+    async def resume(self, pods: PodService) -> None:
         record = self.read()
         if record is None:
             return

@@ -40,9 +40,9 @@ def test_an_orphan_is_reaped() -> None:
             async with trio.open_nursery() as nursery:
                 await nursery.start(reaper.run)
                 r, w = os.pipe()
-                # sh starts a grandchild that waits on the pipe, prints its pid and ends
+                # bash (dash takes only one-digit descriptors in a redirection) starts a grandchild that waits on the pipe, prints its pid and ends
                 done = await trio.run_process(
-                    ["sh", "-c", f"sh -c 'read x <&{r}' >/dev/null & echo $!"], pass_fds=(r,),
+                    ["bash", "-c", f"bash -c 'read x <&{r}' >/dev/null & echo $!"], pass_fds=(r,),
                     capture_stdout=True)
                 os.close(r)
                 orphan = int(done.stdout)

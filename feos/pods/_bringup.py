@@ -1,0 +1,171 @@
+"""A pod's bring-up, step by step: disk, vm, guest, volumes, containers.
+
+Every step looks at what is there first (the disk, the microVM, the containers the guest has), so
+a bring-up that a restart or a stop cut off goes on where it ended. The bring-up runs as a change
+(feos.pods._changes) under the pod's lock; it raises FeosError for a step that failed, and the
+pod service records RUNNING or FAILED from its end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import trio
+
+from ..errors import Code, FeosError
+from ..vmm import VmInfo, VmSpec, VmState, guest_root, newest_guest
+from ._disks import ensure_pod_disk, ensure_volume_disk, pod_disk
+from ._netface import NetworkFace
+from ._pod import Pod
+from ._ports import ContainerConfig, Guest, MicroVmsPort, VolumeMount, Volumes, VolumeSpec
+
+log = logging.getLogger(__name__)
+
+GUEST_WITHIN_S = 5.0
+
+
+class BringUp:
+    def __init__(
+        self,
+        state_dir: Path,
+        vms: MicroVmsPort,
+        volumes: Volumes,
+        *,
+        network: NetworkFace,
+        step: Callable[[Pod, str], None],
+        keep: Callable[[Pod], Awaitable[None]],
+        attach_s: float,
+    ) -> None:
+        self._state_dir = state_dir
+        self._vms = vms
+        self._volumes = volumes
+        self._network = network
+        self._step = step
+        self._keep = keep
+        self.attach_s = attach_s
+
+    async def run(self, pod: Pod) -> None:
+        """Every step, RUNNING left to the caller; FeosError naming what failed."""
+        token, pod.pull_token = pod.pull_token, ""
+        self._step(pod, "disk")
+        # A disk made by this bring-up holds no containers: no listContainers to ask (a guest
+        # call, one of three on the containers' path). A bring-up cut off after the disk was
+        # made finds it there next time and asks.
+        fresh = not pod_disk(self._state_dir, pod.id).exists()
+        vm_spec = await self._prepare(pod)
+        self._step(pod, "vm")
+        info = await self._ensure_vm(pod, vm_spec)
+        if info.state is not VmState.RUNNING:
+            await self._vms.start(pod.id, wait_attach=False)
+        self._step(pod, "guest")
+        guest = await self._attached(pod)
+        self._step(pod, "volumes")
+        await self._mount_volumes(pod, guest)
+        self._step(pod, "containers")
+        await self._start_containers(pod, guest, token, fresh=fresh)
+
+    def _vm(self, pod: Pod) -> VmInfo | None:
+        try:
+            return self._vms.get(pod.id)
+        except FeosError:
+            return None
+
+    async def _prepare(self, pod: Pod) -> VmSpec:
+        """The disks and the link: what the microVM is made with."""
+        info = self._vm(pod)
+        if info is not None:
+            guest_dir = guest_root() / info.guest_version
+        else:
+            _, guest_dir = newest_guest(guest_root())
+        disk = await ensure_pod_disk(self._state_dir, pod.id, guest_dir, pod.spec.disk_size_mib)
+        volume_disks = []
+        for volume_id in pod.spec.volume_ids():
+            volume = self._volumes.store.get(volume_id)
+            if volume is None:
+                raise FeosError(Code.FAILED_PRECONDITION, f"volume {volume_id} is not on this node")
+            path = await ensure_volume_disk(self._volumes.disk_path(volume_id), volume.size_bytes)
+            volume_disks.append(str(path))
+        link = await self._network.prepare(pod)
+        tap, mac = (link.tap, link.mac) if link is not None else (None, None)
+        return VmSpec(vcpus=pod.spec.vcpus, memory_mib=pod.spec.memory_mib, data_disk=str(disk),
+                      volumes=tuple(volume_disks), tap=tap, mac=mac, metadata=metadata(pod))
+
+    async def _ensure_vm(self, pod: Pod, spec: VmSpec) -> VmInfo:
+        info = self._vm(pod)
+        if info is not None and info.state is VmState.SUSPENDED:
+            await self._vms.delete(pod.id)  # a stopped pod boots anew on its disk
+            info = None
+        if info is None:
+            info = await self._vms.create(pod.id, spec)
+        if pod.guest_version != info.guest_version or pod.driver != info.driver:
+            pod.guest_version, pod.driver = info.guest_version, info.driver
+            await self._keep(pod)
+        return info
+
+    async def _attached(self, pod: Pod) -> Guest:
+        deadline = trio.current_time() + self.attach_s
+        last: FeosError | None = None
+        while trio.current_time() < deadline:
+            info = self._vms.get(pod.id)
+            if info.state in (VmState.CRASHED, VmState.STOPPED):
+                raise FeosError(Code.UNAVAILABLE, f"the microVM {info.state.value}: {info.reason}")
+            try:
+                within = min(GUEST_WITHIN_S, deadline - trio.current_time())
+                guest: Guest = await self._vms.guest(pod.id, within=within)
+                return guest
+            except FeosError as exc:
+                last = exc
+        raise FeosError(Code.DEADLINE_EXCEEDED, f"the guest did not attach within "
+                        f"{self.attach_s:g}s" + (f" ({last.message})" if last else ""))
+
+    async def _mount_volumes(self, pod: Pod, guest: Guest) -> None:
+        if not pod.spec.volumes:
+            return
+        asks = []
+        for drive, (name, volume_id) in enumerate(pod.spec.volumes, start=1):
+            volume = self._volumes.store.get(volume_id)
+            assert volume is not None
+            asks.append(VolumeSpec(name=name, drive=drive, size_bytes=volume.size_bytes,
+                                   format=not volume.formatted, id=volume_id))
+        outcomes = await guest.mount_volumes(asks)
+        failed = []
+        by_name = dict(pod.spec.volumes)
+        for outcome in outcomes:
+            if outcome.mounted:
+                await self._volumes.mark_formatted(by_name[outcome.name])
+            else:
+                failed.append(f"{outcome.name}: {outcome.error}")
+        if failed:
+            raise FeosError(Code.FAILED_PRECONDITION, "volumes not mounted: " + "; ".join(failed))
+
+    async def _start_containers(self, pod: Pod, guest: Guest, token: str, *,
+                                fresh: bool = False) -> None:
+        have = {} if fresh else {c.name: c for c in await guest.list_containers()}
+        for container in pod.spec.containers:
+            found = have.get(container.name)
+            if found is not None and found.status == "running":
+                continue
+            try:
+                if found is None:
+                    await guest.create_container(container_config(pod, container.name, token))
+                await guest.start_container(container.name)
+            except FeosError as exc:
+                raise FeosError(exc.code, f"container {container.name}: {exc.message}") from None
+
+
+def container_config(pod: Pod, name: str, token: str) -> ContainerConfig:
+    container = next(c for c in pod.spec.containers if c.name == name)
+    return ContainerConfig(
+        name=container.name, image=container.image, command=container.command,
+        env=tuple(f"{k}={v}" for k, v in container.env),
+        volume_mounts=tuple(VolumeMount(m.volume, m.path, m.read_only) for m in container.mounts),
+        working_dir=container.working_dir, pull_token=token)
+
+
+def metadata(pod: Pod) -> str:
+    """The microVM's metadata: the node's part (ID, addresses) and the spec's object."""
+    return json.dumps({"feos": {"pod-id": pod.id, "ipv6": pod.ipv6, "ipv4": pod.ipv4},
+                       "metadata": json.loads(pod.spec.metadata_json)})
