@@ -279,8 +279,9 @@ class PodService:
     def _net(self, pod: _Pod) -> PodNet:
         network = pod.spec.network
         assert network is not None
+        driver = pod.driver or self._vms.driver_for(pod.id)
         return PodNet(pod.id, pod.ipv6, pod.ipv4, network.security_groups, network.name_tables,
-                      network.dns_upstreams, pod.spec.metadata_json, pod.driver or "qemu")
+                      network.dns_upstreams, pod.spec.metadata_json, driver)
 
     def network_pods(self) -> list[PodNet]:
         return [self._net(p) for p in self._pods.values() if p.spec.network is not None]
@@ -410,6 +411,7 @@ class PodService:
         if pod.spec.network is not None:
             if self._network is None:
                 raise FeosError(Code.FAILED_PRECONDITION, self._network_reason)
+            pod.driver = self._vms.driver_for(pod.id)  # the network serves metadata for QEMU
             link = await self._network.prepare(self._net(pod))
             tap, mac = link.tap, link.mac
         return VmSpec(vcpus=pod.spec.vcpus, memory_mib=pod.spec.memory_mib, data_disk=str(disk),
@@ -430,8 +432,9 @@ class PodService:
             info = None
         if info is None:
             info = await self._vms.create(pod.id, spec)
-        if pod.guest_version != info.guest_version or pod.driver != info.driver:
-            pod.guest_version, pod.driver = info.guest_version, info.driver
+        driver = self._vms.driver_for(pod.id)  # a stopped microVM boots on the node's VMM
+        if pod.guest_version != info.guest_version or pod.driver != driver:
+            pod.guest_version, pod.driver = info.guest_version, driver
             await self._keep(pod)
         return info
 

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -43,6 +44,7 @@ from ._firecracker_punch import punch_zero_pages
 from ._jail import Jail, JailRecord
 
 _EXIT_RE = re.compile(r"exit_code=(\d+)")
+GUEST_PORT_SOCKET = "v.sock_10001"  # vsock: the guest's connections to the host's port 10001
 STALL_S = 300.0  # a late snapshot whose memory file does not grow this long has crashed
 
 
@@ -58,6 +60,7 @@ class FirecrackerDriver:
     """The driver of feos/vmm/_driver.py for Firecracker."""
 
     name = "firecracker"
+    own_cgroups = True  # the jailer (or the driver at the spawn) puts Firecracker in vms/<id>
 
     def __init__(self, state: Path, *, cgroups: _cgroup.Layout | None = None,
                  netns: str | None = None, tsc_khz: int | None = None) -> None:
@@ -77,7 +80,30 @@ class FirecrackerDriver:
         return self.jail(vm_id).root
 
     def guest_link(self, vm: VmHandle) -> Path:
-        return self.directory(vm.id) / "v.sock_10001"
+        return self.directory(vm.id) / GUEST_PORT_SOCKET
+
+    def listen(self, vm: VmHandle) -> socket.socket:
+        """The node's end of the guest link: the guest dials the host's vsock port 10001, which
+        Firecracker connects to v.sock_10001 in the jail. The socket belongs to the microVM's
+        user (Firecracker, jailed, connects) and is bound through the directory's descriptor,
+        so that no state directory is too deep for sun_path's 108 bytes."""
+        root = self.directory(vm.id)
+        uid = self._record(vm.id).uid
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                (root / GUEST_PORT_SOCKET).unlink(missing_ok=True)
+                sock.bind(f"/proc/self/fd/{fd}/{GUEST_PORT_SOCKET}")
+                os.chown(root / GUEST_PORT_SOCKET, uid, uid)
+            finally:
+                os.close(fd)
+            sock.listen(8)
+        except OSError as exc:
+            sock.close()
+            raise FeosError(Code.INTERNAL, f"microVM {vm.id}: listening on "
+                            f"{GUEST_PORT_SOCKET}: {exc.strerror or exc}") from exc
+        return sock
 
     def api(self, vm_id: str, timeout: float = 10.0) -> FirecrackerApi:
         return FirecrackerApi(self.directory(vm_id) / "fc.sock", timeout)

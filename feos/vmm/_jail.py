@@ -411,7 +411,10 @@ def _set_tap_owner(tap: str, uid: int, gid: int) -> None:
 
 
 def remove_taps(record: JailRecord) -> None:
-    for tap in record.taps:
+    """The TAPs the jail made itself. A TAP it was given (the network layer's) is the network's
+    to remove with the pod: a microVM deleted to boot anew (a stopped pod's, or one moved to
+    another VMM) keeps the pod's TAP."""
+    for tap in record.taps_made:
         done = _ip(record.netns, "link", "delete", "dev", tap, check=False)
         if done.returncode != 0 and "Cannot find device" not in done.stderr \
                 and "does not exist" not in done.stderr:
