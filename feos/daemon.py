@@ -39,7 +39,7 @@ from .pods._volumes import VolumeService
 from .rpc import CapnpThread, capnp_thread
 from .rpc._server import Cap, listen
 from .rpc._server import serve as serve_interface
-from .vmm._choice import choose_vmm
+from .vmm import choose_vmm
 from .vmm._service import MicroVms
 
 log = logging.getLogger("feosd")

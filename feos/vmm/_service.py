@@ -275,8 +275,6 @@ class MicroVms:
                 close = getattr(driver, "close", None)
                 if close is not None:
                     close()
-            for vm in self._vms.values():
-                _close_listener(vm)
             for send in self._subscribers:
                 send.close()
             records = self._records
@@ -516,7 +514,6 @@ class MicroVms:
             vm.deleted = True
             for scope in vm.scopes:
                 scope.cancel()
-            _close_listener(vm)
             await self._driver(vm).delete(vm.handle)
             if self._cgroups is not None and not _own_cgroups(self._driver(vm)):
                 await trio.to_thread.run_sync(_cgroup_remove, self._cgroups, vm_id)
@@ -608,18 +605,23 @@ class MicroVms:
                             network=network, on_attach=attached, connect=connect,
                             clock_interval=self._clock_interval)  # fmt: skip
         assert self._nursery is not None
-        self._nursery.start_soon(self._run_link, vm, vm.link)
+        self._nursery.start_soon(self._run_link, vm, vm.link, vm.listener)
 
-    async def _run_link(self, vm: _Vm, link: GuestLink) -> None:
-        with trio.CancelScope() as scope:
-            vm.link_scope = scope
-            await self._in_scope(vm, link.run)
+    async def _run_link(self, vm: _Vm, link: GuestLink, listener: socket.socket | None) -> None:
+        """The link's task; its listener is closed when the link has ended (the accept on the
+        Cap'n Proto thread cancelled first)."""
+        try:
+            with trio.CancelScope() as scope:
+                vm.link_scope = scope
+                await self._in_scope(vm, link.run)
+        finally:
+            if listener is not None:
+                listener.close()
 
     def _stop_link(self, vm: _Vm) -> None:
         if vm.link_scope is not None:
             vm.link_scope.cancel()
-        vm.link = vm.link_scope = None
-        _close_listener(vm)
+        vm.link = vm.link_scope = vm.listener = None
 
     async def _in_scope(self, vm: _Vm, fn: Callable[[], Awaitable[None]]) -> None:
         with trio.CancelScope() as scope:
@@ -727,12 +729,6 @@ def _busy_reason(vm: _Vm) -> str | None:
 def _own_cgroups(driver: Driver) -> bool:
     """Whether the driver puts its VMMs into their cgroups itself (Firecracker's jailer)."""
     return bool(getattr(driver, "own_cgroups", False))
-
-
-def _close_listener(vm: _Vm) -> None:
-    if vm.listener is not None:
-        vm.listener.close()
-        vm.listener = None
 
 
 def default_drivers(state_dir: Path, cgroups: Any | None) -> dict[str, Driver]:
