@@ -457,7 +457,8 @@ async def test_microvms_run_a_pod_under_firecracker(
             try:
                 await _pod_under_firecracker(vms, firecracker(), pod, metadata)
             except BaseException:
-                await vms.delete(pod)
+                with trio.CancelScope(shield=True), trio.move_on_after(30):
+                    await firecracker().delete(_vm_of(firecracker(), pod))
                 raise
             n.cancel_scope.cancel()  # feosd stops: the microVM runs on
         # A feosd whose own choice is QEMU takes the running Firecracker microVM over, and
@@ -472,7 +473,8 @@ async def test_microvms_run_a_pod_under_firecracker(
                 assert again.driver_for(pod) == "firecracker"
                 assert again.driver_for(_pod_id()) == "qemu"  # a new pod would boot QEMU
             finally:
-                await again.delete(pod)
+                with trio.CancelScope(shield=True), trio.move_on_after(30):
+                    await again.delete(pod)
             n.cancel_scope.cancel()
     assert not FirecrackerDriver(state).jail(pod).dir.exists()
 

@@ -740,10 +740,16 @@ def default_drivers(state_dir: Path, cgroups: Any | None) -> dict[str, Driver]:
 
 
 async def accept_guest(listener: socket.socket, path: str, deadline: float = 5.0) -> Any:
-    """The guest link's connect where the guest dials the node (on the Cap'n Proto thread)."""
+    """The guest link's connect where the guest dials the node (on the Cap'n Proto thread).
+    A connection that ends or fails before its session started is UNAVAILABLE, as a dial's."""
     from feos.guest._client import GuestClient
 
-    return await GuestClient.accept(listener, deadline=deadline)
+    try:
+        return await GuestClient.accept(listener, deadline=deadline)
+    except EOFError:
+        raise FeosError(Code.UNAVAILABLE, "the guest link closed before the hello") from None
+    except OSError as exc:
+        raise FeosError(Code.UNAVAILABLE, f"the guest link {path}: {exc.strerror or exc}") from None
 
 
 def _check_spec(spec: VmSpec) -> None:
