@@ -363,7 +363,9 @@ def test_real_guest_reaches_init(firecracker_root: Path, tmp_path: Path,
     # synchronous, so that the skip keeps its reason (a trio test's skip loses it)
     answer = _kvm.kvm_probe()
     if not answer.usable:
-        pytest.skip(f"/dev/kvm cannot really run a guest here: {answer.reason}")
+        pytest.skip(f"/dev/kvm cannot really run a guest here: {answer.reason}; so no Debian "
+                    "guest boots under Firecracker, and its pod path is tested with the tiny "
+                    "test kernel only (test_microvms_run_a_pod_under_firecracker)")
     guest = _installed_guest()
     assert guest is not None, "no guest installed (packaging/guest builds one)"
     driver = FirecrackerDriver(tmp_path, cgroups=cg.V1Layout(bases=cgroup_parents))
@@ -531,3 +533,25 @@ def test_feosd_refuses_firecracker_where_it_cannot_run(tmp_path: Path) -> None:
                    f"guest: {answer.reason}"
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "run" / "api.sock").exists()
+
+
+@pytest.mark.parametrize("vmm", ["auto", "qemu"])
+def test_host_info_says_which_vmm_and_why(feosd_factory: Any, vmm: str) -> None:
+    """feosd's choice in `feosctl host info` and in its log; here QEMU, on TCG where KVM cannot
+    run a guest (the auto choice's Firecracker branch needs a KVM that boots the guest)."""
+    answer = _kvm.kvm_probe()
+    daemon = feosd_factory("--vmm", vmm).start()
+    info = daemon.ctl_json("host", "info")
+    accel = "kvm" if answer.usable else "tcg"
+    got = info["vmm"]
+    assert (got["driver"], got["requested"]) == ("qemu", vmm) or answer.usable
+    assert got["accel"] == accel
+    if not answer.usable:
+        why = f"no KVM: {answer.reason}"
+        assert got["reason"] == (f"--vmm qemu; {why}" if vmm == "qemu" else
+                                 f"Firecracker cannot run: KVM cannot run a guest: "
+                                 f"{answer.reason}; {why}")
+    assert info["version"]["driver"] == got["driver"]
+    table = daemon.ctl("host", "info").stdout
+    assert f"QEMU under {accel.upper()}" in table or answer.usable
+    assert f"the pods' VMM: {'QEMU' if not answer.usable else ''}" in daemon.log_text()
