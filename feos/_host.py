@@ -1,4 +1,7 @@
-"""HostService: what the node is, and its power: reboot, shutdown, and feosd's own upgrade."""
+"""HostService: what the node is, and its power: reboot, shutdown, and feosd's own upgrade.
+
+What the node is includes the VMM that boots its pods (`vmm`: the VMM, the accelerator, the
+reason, what --vmm asked, and the microVMs by VMM), given by the daemon as `vmm_info`."""
 
 from __future__ import annotations
 
@@ -49,12 +52,14 @@ class HostService:
         binary: Path,
         upgrade: Callable[[Path], None],
         versions: Callable[[], dict[str, Any]],
+        vmm: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self._state_dir = state_dir
         self._self_upgrade = self_upgrade
         self._binary = binary
         self._upgrade = upgrade
         self._versions = versions
+        self._vmm = vmm or (lambda: {})
         self._started = time.time_ns()
 
     async def get_host_info(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -68,6 +73,7 @@ class HostService:
                 "startedUnixNs": self._started,
                 "version": version,
                 "selfUpgrade": self._self_upgrade,
+                "vmm": self._vmm(),
             }
         }
 
@@ -137,3 +143,14 @@ def replace_binary(staged: Path, binary: Path) -> None:
 
 def own_binary() -> Path:
     return Path(sys.argv[0]).resolve()
+
+
+def vmm_info(choice: Any, drivers: list[str]) -> dict[str, Any]:
+    """HostInfo.vmm from the microVM service's choice (a VmmChoice, None before it decided) and
+    the drivers of the microVMs it serves."""
+    counts = {name: drivers.count(name) for name in sorted(set(drivers))}
+    if choice is None:
+        return {"reason": "not decided yet", "microvms": []}
+    return {"driver": choice.driver, "accel": choice.accel, "reason": choice.reason,
+            "requested": choice.requested,
+            "microvms": [{"driver": d, "count": n} for d, n in counts.items()]}

@@ -30,7 +30,7 @@ import trio
 
 from . import _schema, native
 from ._codec import snake
-from ._host import HostService, own_binary, replace_binary
+from ._host import HostService, own_binary, replace_binary, vmm_info
 from ._lock import take_lock
 from ._reaper import REAPER
 from ._sdnotify import notify
@@ -49,7 +49,7 @@ from .net import (
 from .pods import PodService, SuspendedForStop, VolumeService
 from .rpc import Cap, CapnpThread, capnp_thread, close_listeners, listen
 from .rpc import serve as serve_interface
-from .vmm import MicroVms
+from .vmm import MicroVms, choose_vmm
 
 log = logging.getLogger("feosd")
 
@@ -89,6 +89,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="SECONDS",
         help="how long a stop may take before feosd is killed: the pods' changes in flight "
         "end within it, and are cancelled only then (default 300)",
+    )
+    p.add_argument(
+        "--vmm",
+        choices=["auto", "firecracker", "qemu"],
+        default="auto",
+        help="what boots new pods: auto (Firecracker where it boots the guest under KVM, else "
+        "QEMU under KVM, else QEMU on TCG), firecracker (or feosd does not start), qemu "
+        "(KVM if it works, else TCG); default auto (docs/vmm.md)",
     )
     add_network_arguments(p.add_argument_group("the pods' network"))
     cp = p.add_argument_group("the control plane (not built yet: accepted and logged)")
@@ -184,6 +192,7 @@ class Daemon:
             binary=own_binary(),
             upgrade=self.request_upgrade,
             versions=self.versions,
+            vmm=self.vmm_info,
         )
         self.listeners: dict[str, socket.socket] = {}
         self.handover: dict[str, int] = {}
@@ -207,11 +216,15 @@ class Daemon:
             firecrackers = [i.version for i in reversed(installed())]
         except Exception:  # a broken install is reported as none
             firecrackers = []
-        accel = self.vms.accel if self.vms is not None else ""
-        why = "KVM runs guests here" if accel == "kvm" else "KVM cannot run a guest here: TCG"
+        choice = self.vms.choice if self.vms is not None else None
         return {"guests": installed_guests(guest_root()), "firecrackers": firecrackers,
-                "driver": "qemu", "accel": f"{accel} ({why})" if accel else "",
+                "driver": choice.driver if choice else "",
+                "accel": f"{choice.accel} ({choice.reason})" if choice else "",
                 "network": self.network_status()}
+
+    def vmm_info(self) -> dict[str, Any]:
+        vms = self.vms.list() if self.vms is not None else []
+        return vmm_info(self.vms.choice if self.vms else None, [vm.driver for vm in vms])
 
     def network_status(self) -> str:
         if self.network is None:
@@ -278,12 +291,14 @@ class Daemon:
     async def serve(self, inherited: dict[str, socket.socket]) -> None:
         lock_fd = await take_lock(self.state_dir / "feosd.lock")
         set_subreaper()
+        vmm = await choose_vmm(self.args.vmm, self.state_dir)  # --vmm firecracker may refuse
         self.load()
         staged = None
         async with capnp_thread() as bridge, trio.open_nursery() as nursery:
             await nursery.start(REAPER.run)  # the orphans re-parented to feosd (_reaper)
+            cgroups = await trio.to_thread.run_sync(vms_cgroups)
             self.vms = MicroVms(self.state_dir, self.run_dir, bridge, network=self.guest_network,
-                                cgroups=await trio.to_thread.run_sync(vms_cgroups))
+                                cgroups=cgroups, choice=vmm)
             await nursery.start(self.vms.run)
             self.pods = PodService(self.state_dir, self.vms, self.volumes, groups=self.groups,
                                    tables=self.names, bridge=bridge)
@@ -433,5 +448,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         trio.run(daemon.serve, inherited)
     except KeyboardInterrupt:
         pass
+    except FeosError as exc:  # a start refused before serving: one line, no traceback
+        sys.exit(f"feosd: {exc.message}")
     finally:
         daemon.close()

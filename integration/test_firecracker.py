@@ -16,10 +16,14 @@ import json
 import os
 import secrets
 import shutil
+import socket
+import stat
 import struct
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -359,7 +363,9 @@ def test_real_guest_reaches_init(firecracker_root: Path, tmp_path: Path,
     # synchronous, so that the skip keeps its reason (a trio test's skip loses it)
     answer = _kvm.kvm_probe()
     if not answer.usable:
-        pytest.skip(f"/dev/kvm cannot really run a guest here: {answer.reason}")
+        pytest.skip(f"/dev/kvm cannot really run a guest here: {answer.reason}; so no Debian "
+                    "guest boots under Firecracker, and its pod path is tested with the tiny "
+                    "test kernel only (test_microvms_run_a_pod_under_firecracker)")
     guest = _installed_guest()
     assert guest is not None, "no guest installed (packaging/guest builds one)"
     driver = FirecrackerDriver(tmp_path, cgroups=cg.V1Layout(bases=cgroup_parents))
@@ -376,3 +382,176 @@ def test_real_guest_reaches_init(firecracker_root: Path, tmp_path: Path,
             await driver.delete(vm)
 
     trio.run(boot)
+
+
+# -- a pod's path through the microVM service with Firecracker ---------------------------------
+# The service (MicroVms) as feosd runs it when the node's VMM is Firecracker: create, start, the
+# API socket, the guest's uplink listener on vsock, MMDS, suspend and resume, and the takeover
+# by a service whose own choice is QEMU. The tiny kernel has no agent, so nothing attaches: the
+# guest's part (its attach, its calls) cannot run here, where stock guest kernels cannot boot
+# under Firecracker (PVM), and is not tested.
+
+_CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
+
+
+def _pod_id() -> str:
+    return "f" + "".join(secrets.choice(_CROCKFORD) for _ in range(10))
+
+
+@pytest.fixture(scope="module")
+def tiny_guests(shm_dir: Path) -> Path:
+    """An installed-guest directory whose only version is the tiny kernel."""
+    g = shm_dir / "guests" / "tiny"
+    g.mkdir(parents=True)
+    (g / "manifest.json").write_text(json.dumps({"version": "tiny", "built": "1"}))
+    (g / "vmlinux").write_bytes(tiny_kernel())
+    with open(g / "root.erofs", "wb") as f:
+        f.truncate(1 << 20)
+    return shm_dir / "guests"
+
+
+def _connect_via_dir(path: Path) -> socket.socket:
+    """Connect to a Unix socket whatever the depth of its directory (as Firecracker, chrooted,
+    connects to v.sock_10001 by a short path)."""
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(f"/proc/self/fd/{fd}/{path.name}")
+    finally:
+        os.close(fd)
+    return sock
+
+
+async def test_microvms_run_a_pod_under_firecracker(
+        firecracker_root: Path, tiny_guests: Path, netns: str, shm_dir: Path,
+        cgroup_parents: dict[str, Path], tmp_path_factory: pytest.TempPathFactory,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from feos.rpc import capnp_thread
+    from feos.vmm import _service
+    from feos.vmm._choice import VmmChoice
+    from feos.vmm._qemu import QemuDriver
+    from feos.vmm._service import MicroVms
+
+    monkeypatch.setattr(_service, "RESUME_PING_S", 0.2)  # no agent answers the resume's ping
+    state = tmp_path_factory.mktemp("feos-fcpod")
+    layout = cg.V1Layout(bases=cgroup_parents)
+
+    def firecracker() -> FirecrackerDriver:
+        return FirecrackerDriver(state, cgroups=layout, netns=netns, tsc_khz=2596144)
+
+    pod = _pod_id()
+    metadata = {"feos": {"pod-id": pod}, "metadata": {"team": "fc"}}
+    data = state / "pod-disk.img"
+    data.touch()
+    os.truncate(data, 8 << 20)
+    spec = VmSpec(vcpus=1, memory_mib=128, data_disk=str(data), tap=f"fcp{secrets.token_hex(3)}",
+                  mac="06:00:aa:bb:cc:01", metadata=json.dumps(metadata))
+    fc_choice = VmmChoice("firecracker", "kvm", "the test's", "firecracker")
+    qemu_choice = VmmChoice("qemu", "tcg", "the test's", "qemu")
+    async with capnp_thread() as bridge:
+        vms = MicroVms(state, state / "run", bridge, drivers={"firecracker": firecracker()},
+                       choice=fc_choice, guest_dir=tiny_guests)
+        async with trio.open_nursery() as n:
+            await n.start(vms.run)
+            info = await vms.create(pod, spec)
+            assert (info.driver, info.accel, info.state) == ("firecracker", "kvm",
+                                                             VmState.CREATED)
+            try:
+                await _pod_under_firecracker(vms, firecracker(), pod, metadata)
+            except BaseException:
+                with trio.CancelScope(shield=True), trio.move_on_after(30):
+                    await firecracker().delete(_vm_of(firecracker(), pod))
+                raise
+            n.cancel_scope.cancel()  # feosd stops: the microVM runs on
+        # A feosd whose own choice is QEMU takes the running Firecracker microVM over, and
+        # keeps it under Firecracker.
+        again = MicroVms(state, state / "run", bridge, guest_dir=tiny_guests, choice=qemu_choice,
+                         drivers={"firecracker": firecracker(), "qemu": QemuDriver(state)})
+        async with trio.open_nursery() as n:
+            await n.start(again.run)
+            try:
+                got = again.get(pod)
+                assert (got.driver, got.state) == ("firecracker", VmState.RUNNING)
+                assert again.driver_for(pod) == "firecracker"
+                assert again.driver_for(_pod_id()) == "qemu"  # a new pod would boot QEMU
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(30):
+                    await again.delete(pod)
+            n.cancel_scope.cancel()
+    assert not FirecrackerDriver(state).jail(pod).dir.exists()
+
+
+async def _pod_under_firecracker(vms: Any, driver: FirecrackerDriver, pod: str,
+                                 metadata: dict[str, Any]) -> None:
+    info = await vms.start(pod, wait_attach=False)
+    assert info.state is VmState.RUNNING
+    root = driver.directory(pod)
+    # the API socket answers: Firecracker runs the microVM, the vCPU ran the tiny guest
+    assert (await driver.api(pod).describe())["state"] == "Running"
+    await _serial(driver, _vm_of(driver, pod), TINY_TEXT, 10)
+    assert stat.S_ISSOCK(os.stat(root / "v.sock").st_mode)  # the vsock device's socket
+    # the guest's uplink: the node listens on v.sock_10001, which the jailed user may dial
+    record = driver.jail(pod).read()
+    assert record is not None
+    uplink = os.stat(root / "v.sock_10001")
+    assert stat.S_ISSOCK(uplink.st_mode) and uplink.st_uid == record.uid
+    with _connect_via_dir(root / "v.sock_10001") as guest:
+        # the guest link took the connection: no hello within a second, so the node pokes
+        guest.settimeout(15)
+        poke = await trio.to_thread.run_sync(guest.recv, 256)
+        assert poke.startswith(b"FEOS-NODE 1 ")
+    # MMDS holds the pod's metadata
+    assert (await driver.api(pod).call("GET", "/mmds")).json() == metadata
+    # suspend and resume through the service: the snapshot, then MMDS put back
+    info = await vms.suspend(pod, purge_guest=False)
+    assert info.state is VmState.SUSPENDED
+    assert (root / "snapshot" / "memory").exists()
+    assert vms.driver_for(pod) == "firecracker"
+    info = await vms.resume(pod)
+    assert (info.state, info.driver) == (VmState.RUNNING, "firecracker")
+    assert (await driver.api(pod).describe())["state"] == "Running"
+    assert (await driver.api(pod).call("GET", "/mmds")).json() == metadata
+    assert not (root / "snapshot" / "memory").exists()
+
+
+def _vm_of(driver: FirecrackerDriver, pod: str) -> VmHandle:
+    return VmHandle(id=pod, spec=VmSpec(), directory=driver.directory(pod), guest_version="tiny",
+                    guest_dir=Path("/"))
+
+
+def test_feosd_refuses_firecracker_where_it_cannot_run(tmp_path: Path) -> None:
+    """--vmm firecracker fails feosd's start with one line naming why (here: PVM)."""
+    answer = _kvm.kvm_probe()
+    if answer.usable:
+        pytest.skip("KVM runs guests here: whether Firecracker runs depends on its own probe")
+    done = subprocess.run([str(Path(sys.executable).parent / "feosd"), "--vmm", "firecracker",
+                           "--state-dir", str(tmp_path / "state"), "--run-dir",
+                           str(tmp_path / "run")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == f"feosd: --vmm firecracker: Firecracker cannot run here: KVM cannot run a " \
+                   f"guest: {answer.reason}"
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "run" / "api.sock").exists()
+
+
+@pytest.mark.parametrize("vmm", ["auto", "qemu"])
+def test_host_info_says_which_vmm_and_why(feosd_factory: Any, vmm: str) -> None:
+    """feosd's choice in `feosctl host info` and in its log; here QEMU, on TCG where KVM cannot
+    run a guest (the auto choice's Firecracker branch needs a KVM that boots the guest)."""
+    answer = _kvm.kvm_probe()
+    daemon = feosd_factory("--vmm", vmm).start()
+    info = daemon.ctl_json("host", "info")
+    accel = "kvm" if answer.usable else "tcg"
+    got = info["vmm"]
+    assert (got["driver"], got["requested"]) == ("qemu", vmm) or answer.usable
+    assert got["accel"] == accel
+    if not answer.usable:
+        why = f"no KVM: {answer.reason}"
+        assert got["reason"] == (f"--vmm qemu; {why}" if vmm == "qemu" else
+                                 f"Firecracker cannot run: KVM cannot run a guest: "
+                                 f"{answer.reason}; {why}")
+    assert info["version"]["driver"] == got["driver"]
+    table = daemon.ctl("host", "info").stdout
+    assert f"QEMU under {accel.upper()}" in table or answer.usable
+    assert f"the pods' VMM: {'QEMU' if not answer.usable else ''}" in daemon.log_text()

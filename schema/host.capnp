@@ -8,9 +8,24 @@ struct VersionInfo {
   python @1 :Text;
   guests @2 :List(Text);         # installed guest versions, newest first
   firecrackers @3 :List(Text);   # installed Firecracker versions, newest first
-  driver @4 :Text;               # qemu or firecracker: what boots pods on this node
-  accel @5 :Text;                # kvm or tcg, and why
+  driver @4 :Text;               # qemu or firecracker: what boots pods on this node (HostInfo.vmm)
+  accel @5 :Text;                # kvm or tcg, and why (HostInfo.vmm says it in fields)
   network @6 :Text;              # the pods' network: "up" or why it is not
+}
+
+struct VmmInfo {
+  # The VMM this node boots pods with, decided at feosd's start (docs/vmm.md, "Which VMM").
+  # A pod keeps the VMM it booted with while it runs or is suspended (PodInfo's driver).
+  driver @0 :Text;               # "firecracker" or "qemu"
+  accel @1 :Text;                # "kvm" or "tcg"
+  reason @2 :Text;               # why: the probes' answers, for people
+  requested @3 :Text;            # feosd --vmm: "auto", "firecracker" or "qemu"
+  microvms @4 :List(VmmCount);   # the microVMs this feosd serves, by VMM
+}
+
+struct VmmCount {
+  driver @0 :Text;
+  count @1 :UInt32;
 }
 
 struct HostInfo {
@@ -21,6 +36,7 @@ struct HostInfo {
   startedUnixNs @4 :Int64;
   version @5 :VersionInfo;
   selfUpgrade @6 :Bool;
+  vmm @7 :VmmInfo;
 }
 
 interface HostService {

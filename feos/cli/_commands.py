@@ -314,13 +314,27 @@ async def host_info(client: Client, args: argparse.Namespace) -> Table:
         ["kernel", info.get("kernel", "")],
         ["feosd", f"{feosd}, python {version.get('python', '')})"],
         ["self-upgrade", "yes" if info.get("selfUpgrade") else "no"],
-        ["driver", version.get("driver", "") or "-"],
-        ["accel", version.get("accel", "") or "-"],
+        *_vmm_rows(info.get("vmm", {})),
         ["network", version.get("network", "") or "-"],
         ["guests", ", ".join(version.get("guests", [])) or "-"],
         ["firecrackers", ", ".join(version.get("firecrackers", [])) or "-"],
     ]
     return Table(info, ["FIELD", "VALUE"], rows)
+
+
+_VMM_NAMES = {"qemu": "QEMU", "firecracker": "Firecracker"}
+
+
+def _vmm_rows(vmm: dict[str, Any]) -> list[list[str]]:
+    """The node's VMM: which, under what, why, what --vmm asked, and the microVMs by VMM."""
+    driver = vmm.get("driver", "")
+    which = f"{_VMM_NAMES.get(driver, driver)} under {vmm.get('accel', '').upper()}"
+    counts = ", ".join(f"{_VMM_NAMES.get(c.get('driver', ''), c.get('driver', ''))} "
+                       f"{c.get('count', 0)}" for c in vmm.get("microvms", []))
+    return [["vmm", which if driver else "-"],
+            ["vmm reason", vmm.get("reason", "") or "-"],
+            ["vmm asked", f"--vmm {vmm['requested']}" if vmm.get("requested") else "-"],
+            ["microvms", counts or "none"]]
 
 
 async def host_reboot(client: Client, args: argparse.Namespace) -> str:
@@ -347,7 +361,7 @@ async def host_upgrade(client: Client, args: argparse.Namespace) -> str:
 
 def register_host(nouns: Any) -> None:
     verbs = _noun(nouns, "host", "the node itself")
-    _verb(verbs, "info", host_info, "versions, the driver and the network of this node")
+    _verb(verbs, "info", host_info, "versions, the VMM (and why) and the network of this node")
     _verb(verbs, "reboot", host_reboot, "reboot the node (PID 1 gets SIGRTMIN+5)")
     _verb(verbs, "shutdown", host_shutdown, "power the node off (PID 1 gets SIGRTMIN+4)")
     p = _verb(verbs, "upgrade", host_upgrade, "replace feosd's program and re-execute it")

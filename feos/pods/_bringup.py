@@ -88,6 +88,8 @@ class BringUp:
                 raise FeosError(Code.FAILED_PRECONDITION, f"volume {volume_id} is not on this node")
             path = await ensure_volume_disk(self._volumes.disk_path(volume_id), volume.size_bytes)
             volume_disks.append(str(path))
+        if pod.spec.network is not None:
+            pod.driver = self._vms.driver_for(pod.id)  # the network serves metadata for QEMU
         link = await self._network.prepare(pod)
         tap, mac = (link.tap, link.mac) if link is not None else (None, None)
         return VmSpec(vcpus=pod.spec.vcpus, memory_mib=pod.spec.memory_mib, data_disk=str(disk),
@@ -100,8 +102,9 @@ class BringUp:
             info = None
         if info is None:
             info = await self._vms.create(pod.id, spec)
-        if pod.guest_version != info.guest_version or pod.driver != info.driver:
-            pod.guest_version, pod.driver = info.guest_version, info.driver
+        driver = self._vms.driver_for(pod.id)  # a stopped microVM boots on the node's VMM
+        if pod.guest_version != info.guest_version or pod.driver != driver:
+            pod.guest_version, pod.driver = info.guest_version, driver
             await self._keep(pod)
         return info
 

@@ -7,7 +7,7 @@ network never reach it; every method here is a no-op for them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ..errors import Code, FeosError
 from ._network import Link, PodNet, PodNetworkService
@@ -17,8 +17,10 @@ from ._ports import Named, NetworkConfig
 
 class NetworkFace:
     def __init__(self, network: PodNetworkService | None, reason: str, *,
-                 groups: Named | None = None, tables: Named | None = None) -> None:
+                 groups: Named | None = None, tables: Named | None = None,
+                 driver_for: Callable[[str], str] | None = None) -> None:
         self.network = network
+        self._driver_for = driver_for
         self.reason = reason  # why there is no network, while there is none
         self._groups = groups
         self._tables = tables
@@ -26,8 +28,9 @@ class NetworkFace:
     def net(self, pod: Pod) -> PodNet:
         network = pod.spec.network
         assert network is not None
+        driver = pod.driver or (self._driver_for(pod.id) if self._driver_for else "")
         return PodNet(pod.id, pod.ipv6, pod.ipv4, network.security_groups, network.name_tables,
-                      network.dns_upstreams, pod.spec.metadata_json, pod.driver or "qemu",
+                      network.dns_upstreams, pod.spec.metadata_json, driver,
                       published=network.publish)
 
     def pods(self, pods: Iterable[Pod]) -> list[PodNet]:

@@ -65,6 +65,10 @@ class MicroVmsPort(Protocol):
         """Idempotent: a microVM that is not there is deleted."""
         ...
 
+    def driver_for(self, vm_id: str) -> str:
+        """The VMM the microVM runs on, or the node's own for one that is not running."""
+        ...
+
     async def guest(self, vm_id: str, *, within: float = ...) -> Any:
         """The attached guest (a `Guest`: GuestHandle reaches the client's methods through its
         __getattr__, which a Protocol does not see), or UNAVAILABLE once `within` passed."""

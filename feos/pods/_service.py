@@ -85,7 +85,8 @@ class PodService:
         self.state_dir = state_dir
         self._vms = vms
         self._volumes = volumes
-        self._net = NetworkFace(network, network_reason, groups=groups, tables=tables)
+        self._net = NetworkFace(network, network_reason, groups=groups, tables=tables,
+                                driver_for=vms.driver_for)
         self._attach_timeout = attach_timeout
         self._records: Records = records or RecordDir(
             state_dir / "pods", _schema.pod().PodInfo, thread_name="pod-records")

@@ -1,13 +1,17 @@
 """feos.vmm: the microVM layer under the pods.
 
 MicroVms is the service the pod service calls; a Driver (QEMU here, Firecracker where KVM runs
-guests) runs one kind of VMM. docs/vmm.md describes both.
+guests) runs one kind of VMM; choose_vmm decides the node's (feosd --vmm). docs/vmm.md describes
+them.
 """
 
 from . import _cgroup, _jail
 from ._budget import SuspendBudget as SuspendBudget
 from ._budget import suspend_budget as suspend_budget
 from ._budget import suspend_budget_mib as suspend_budget_mib
+from ._choice import VmmChoice as VmmChoice
+from ._choice import choose_vmm as choose_vmm
+from ._choice import vmm_name as vmm_name
 from ._driver import Adopted as Adopted
 from ._driver import Driver as Driver
 from ._driver import Exit as Exit

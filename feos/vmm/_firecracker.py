@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -44,7 +45,26 @@ from ._firecracker_punch import punch_zero_pages
 from ._jail import Jail, JailRecord
 
 _EXIT_RE = re.compile(r"exit_code=(\d+)")
+GUEST_PORT_SOCKET = _jail.NODE_LISTENS  # vsock: the guest's connections to the host's port 10001
 STALL_S = 300.0  # a late snapshot whose memory file does not grow this long has crashed
+
+
+# Processes let go at a service's close, kept: a dropped trio.Process of a running process would
+# warn (its pidfd, its Popen) and could be reaped by subprocess's cleanup behind the next
+# service's back. The next service waits for them by pidfd and reaps them (_reap).
+_RELEASED: list[trio.Process] = []
+
+
+def _reap(pidfd: int) -> int | None:
+    """The exit code (negative: the signal) of an ended process that is this process's child;
+    None when it is not (a feosd before this one started it) or was reaped already."""
+    try:
+        ended = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+    except ChildProcessError:
+        return None
+    if ended is None:
+        return None
+    return ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
 
 
 def _host_tsc_khz() -> int | None:
@@ -59,6 +79,7 @@ class FirecrackerDriver:
     """The driver of feos/vmm/_driver.py for Firecracker."""
 
     name = "firecracker"
+    own_cgroups = True  # the jailer (or the driver at the spawn) puts Firecracker in vms/<id>
 
     def __init__(self, state: Path, *, cgroups: _cgroup.Layout | None = None,
                  netns: str | None = None, tsc_khz: int | None = None) -> None:
@@ -78,7 +99,30 @@ class FirecrackerDriver:
         return self.jail(vm_id).root
 
     def guest_link(self, vm: VmHandle) -> Path:
-        return self.directory(vm.id) / "v.sock_10001"
+        return self.directory(vm.id) / GUEST_PORT_SOCKET
+
+    def listen(self, vm: VmHandle) -> socket.socket:
+        """The node's end of the guest link: the guest dials the host's vsock port 10001, which
+        Firecracker connects to v.sock_10001 in the jail. The socket belongs to the microVM's
+        user (Firecracker, jailed, connects) and is bound through the directory's descriptor,
+        so that no state directory is too deep for sun_path's 108 bytes."""
+        root = self.directory(vm.id)
+        uid = self._record(vm.id).uid
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                (root / GUEST_PORT_SOCKET).unlink(missing_ok=True)
+                sock.bind(f"/proc/self/fd/{fd}/{GUEST_PORT_SOCKET}")
+                os.chown(root / GUEST_PORT_SOCKET, uid, uid)
+            finally:
+                os.close(fd)
+            sock.listen(8)
+        except OSError as exc:
+            sock.close()
+            raise FeosError(Code.INTERNAL, f"microVM {vm.id}: listening on "
+                            f"{GUEST_PORT_SOCKET}: {exc.strerror or exc}") from exc
+        return sock
 
     def api(self, vm_id: str, timeout: float = 10.0) -> FirecrackerApi:
         return FirecrackerApi(self.directory(vm_id) / "fc.sock", timeout)
@@ -222,6 +266,8 @@ class FirecrackerDriver:
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self, vm: VmHandle, *, within: float) -> None:
+        # a boot anew: a late snapshot's marker left by a Firecracker that ended is stale
+        (self.directory(vm.id) / _jail.LATE_MARKER).unlink(missing_ok=True)
         install = await trio.to_thread.run_sync(_jail.choose)
         await self._spawn(vm, install, boot=True, within=within)
         config = json.loads((self.directory(vm.id) / "config.json").read_bytes())
@@ -260,7 +306,9 @@ class FirecrackerDriver:
         return self._pid(vm.id)
 
     def close(self) -> None:
-        """Let go of every Firecracker without ending it: the next service adopts them."""
+        """Let go of every Firecracker without ending it: the next service adopts them (and,
+        in the same process, reaps them by their pidfd)."""
+        _RELEASED.extend(self._procs.values())
         self._procs.clear()
 
     def _pid(self, vm_id: str) -> int | None:
@@ -285,9 +333,9 @@ class FirecrackerDriver:
             return None
         try:
             await trio.lowlevel.wait_readable(pidfd)
+            return _reap(pidfd)
         finally:
             os.close(pidfd)
-        return None
 
     async def _kill(self, vm_id: str) -> None:
         proc = self._procs.get(vm_id)
@@ -412,14 +460,22 @@ class FirecrackerDriver:
             except FeosError as e:
                 return Adopted(VmState.BUSY, f"Firecracker does not answer: {e.message}", pid)
             return Adopted(VmState.RUNNING, str(got.get("state", "")), pid)
-        if (root / "snapshot" / "vmstate").exists() and not self.late_snapshot(vm):
+        if self.late_snapshot(vm):
+            return Adopted(VmState.CRASHED, "Firecracker ended while it wrote a late snapshot")
+        if (root / "snapshot" / "vmstate").exists():
             return Adopted(VmState.SUSPENDED, "a snapshot in snapshot/")
         if (root / "config.json").exists():
-            return Adopted(VmState.CREATED, "no process")
-        return Adopted(VmState.DELETED, "no jail")
+            return Adopted(VmState.CRASHED, "Firecracker ended while feosd was away")
+        return Adopted(VmState.CRASHED, "its jail is gone")
 
     async def state(self, vm: VmHandle) -> VmState:
-        return (await self.adopt(vm)).state
+        """What the directory shows: a process (RUNNING, BUSY), a snapshot (SUSPENDED), a jail
+        without either (CREATED), none (DELETED)."""
+        found = await self.adopt(vm)
+        if found.pid is not None or found.state is VmState.SUSPENDED:
+            return found.state
+        return VmState.CREATED if (self.directory(vm.id) / "config.json").exists() \
+            else VmState.DELETED
 
     async def balloon_statistics(self, vm: VmHandle) -> dict[str, Any]:
         return await self.api(vm.id).balloon_statistics()

@@ -42,6 +42,7 @@ UID_BASE = 900000
 UID_COUNT = 65536
 JAILER_LEFTOVERS = ("dev", "run", "firecracker", "firecracker.pid", "fc.sock", "v.sock")
 LATE_MARKER = "late-snapshot"
+NODE_LISTENS = "v.sock_10001"  # the node listens there for the guest's uplink (vsock port 10001)
 _VERSION_RE = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)$")
 _ID_RE = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 
@@ -339,7 +340,8 @@ def clear_jailer_leftovers(jail: Jail) -> None:
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
     for p in jail.root.glob("v.sock_*"):
-        p.unlink()
+        if p.name != NODE_LISTENS:  # the node's listener for the guest's uplink stays
+            p.unlink()
 
 
 def jailer_argv(jail: Jail, record: JailRecord, *, cgroup_args: list[str] | None,
@@ -411,7 +413,10 @@ def _set_tap_owner(tap: str, uid: int, gid: int) -> None:
 
 
 def remove_taps(record: JailRecord) -> None:
-    for tap in record.taps:
+    """The TAPs the jail made itself. A TAP it was given (the network layer's) is the network's
+    to remove with the pod: a microVM deleted to boot anew (a stopped pod's, or one moved to
+    another VMM) keeps the pod's TAP."""
+    for tap in record.taps_made:
         done = _ip(record.netns, "link", "delete", "dev", tap, check=False)
         if done.returncode != 0 and "Cannot find device" not in done.stderr \
                 and "does not exist" not in done.stderr:

@@ -12,8 +12,9 @@ probe goes in steps, each of which can say no:
 4. without them, the known failure modes: KVM backed by kvm_pvm, or a CPU without vmx/svm.
 
 The answer holds until the host reboots: it is kept in /run/feos-kvm-probe with the boot's
-/proc/sys/kernel/random/boot_id, and asked again only after a reboot. QEMU's driver asks it
-whether KVM or TCG serves; Firecracker's tests whether a guest can boot.
+/proc/sys/kernel/random/boot_id, and asked again only after a reboot. The node's VMM choice
+(_choice.py) asks it whether QEMU runs under KVM or TCG, and whether Firecracker is worth trying
+at all; Firecracker's tests whether a guest can boot.
 """
 
 from __future__ import annotations

@@ -7,6 +7,13 @@ change runs under the microVM's lock and is checked against one table, `next_sta
 (Stopped, Crashed, Suspended, GuestAttached) go to every subscriber's memory channel once the
 change is recorded.
 
+The node's VMM (`VmmChoice`: QEMU or Firecracker, KVM or TCG) is decided once, at the start
+(_choice.py), and every microVM created from then on is made with it. A microVM keeps the VMM
+its record names while it has a process or a snapshot (running, busy, suspended), across
+restarts of feosd too; one that has neither (created, stopped, crashed) is moved to the node's
+VMM at its next start (`_rehome`: the old driver's directory removed, the new one prepared from
+the same spec). `driver_for` says which VMM a microVM's next boot or resume runs.
+
 A suspend past its snapshot's timeout leaves the microVM BUSY: the call fails with the busy
 marker, a task waits for the VMM to finish, runs the VM again and discards the snapshot; until
 then suspends and shutdowns are refused as busy. The VMM processes outlive feosd (a session of
@@ -16,11 +23,13 @@ driver's `adopt`, restarting none.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +39,7 @@ import trio
 from feos.errors import Code, FeosError, busy
 
 from ._budget import suspend_budget_mib
+from ._choice import VmmChoice, choose_vmm, vmm_name
 from ._driver import Driver, Exit, VmHandle, VmSpec, VmState
 from ._guestlink import RESUME_PING_S, GuestLink
 from ._qemu import QemuDriver
@@ -68,13 +78,14 @@ _IDEMPOTENT = {
 }  # fmt: skip
 
 
-def next_state(state: VmState, op: str) -> VmState:
-    """The state `op` leads to from `state`; busy() or FAILED_PRECONDITION where it may not."""
+def next_state(state: VmState, op: str, vmm: str = "the VMM") -> VmState:
+    """The state `op` leads to from `state`; busy() or FAILED_PRECONDITION where it may not.
+    `vmm` names the microVM's VMM in the busy message ("QEMU", "Firecracker")."""
     found = _TABLE.get((state, op))
     if found is not None:
         return found
     if state is _S.BUSY and op in ("shutdown", "suspend", "start", "resume"):
-        raise busy("QEMU still writes a late snapshot; ask again later")
+        raise busy(f"{vmm} still writes a late snapshot; ask again later")
     raise FeosError(Code.FAILED_PRECONDITION, f"a microVM that is {state.value} cannot {op}")
 
 
@@ -152,6 +163,8 @@ class _Vm:
     lock: trio.Lock = attrs.field(factory=trio.Lock)
     link: GuestLink | None = None
     scopes: list[trio.CancelScope] = attrs.field(factory=list)  # the link's and watchers'
+    link_scope: trio.CancelScope | None = None
+    listener: socket.socket | None = None  # the guest's uplink where the node listens (vsock)
 
     generation: int = 0
     suspending: bool = False
@@ -173,6 +186,9 @@ class MicroVms:
         bridge: Any,
         *,
         driver: Driver | None = None,
+        drivers: Mapping[str, Driver] | None = None,
+        choice: VmmChoice | None = None,
+        vmm: str = "auto",
         accel: str | None = None,
         guest_dir: Path | None = None,
         attach_timeout: float = ATTACH_S,
@@ -184,8 +200,19 @@ class MicroVms:
         self.state_dir = Path(state_dir)
         self.run_dir = Path(run_dir)
         self._bridge = bridge
-        self._driver: Driver = driver or QemuDriver(self.state_dir)
-        self._accel = accel
+        # The drivers by name: the node's choice boots new microVMs, any other serves the
+        # microVMs that still run (or are suspended) under it. `driver` (tests): that one alone.
+        self._drivers: dict[str, Driver] = dict(drivers or {})
+        if driver is not None:
+            self._drivers[driver.name] = driver
+        if not self._drivers:
+            self._drivers = default_drivers(self.state_dir, cgroups)
+        if choice is None and (driver is not None or accel is not None):
+            name = driver.name if driver is not None else "qemu"
+            choice = VmmChoice(name, accel or ("kvm" if name == "firecracker" else "tcg"),
+                               "given by the caller", "given")  # fmt: skip
+        self._choice = choice
+        self._vmm_request = vmm
         self._guest_root = guest_dir
         self._attach_timeout = attach_timeout
         self._snapshot_timeout = snapshot_timeout
@@ -200,15 +227,38 @@ class MicroVms:
 
     @property
     def accel(self) -> str:
-        return self._accel or "tcg"
+        return self._choice.accel if self._choice is not None else ""
+
+    @property
+    def choice(self) -> VmmChoice | None:
+        """The node's VMM (None before `run` decided it)."""
+        return self._choice
+
+    def _choose(self) -> VmmChoice:
+        assert self._choice is not None, "MicroVms.run decides the VMM"
+        return self._choice
+
+    def _driver(self, vm: _Vm) -> Driver:
+        return self._drivers[vm.record.driver]
+
+    def driver_for(self, vm_id: str) -> str:
+        """The VMM a microVM's next boot or resume runs: its own while it has a process or a
+        snapshot (running, busy, suspended), else (none yet, created, stopped, crashed) the
+        node's. What the pod service keeps as the pod's driver and tells the network."""
+        vm = self._vms.get(vm_id)
+        if vm is not None and vm.record.state in _KEEPS_ITS_VMM:
+            return vm.record.driver
+        return self._choose().driver
 
     # -- running ------------------------------------------------------------------------
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._records = await trio.to_thread.run_sync(Records, self.state_dir / "vms.db")
-        if self._accel is None:
-            self._accel = await _detect_accel()
+        if self._choice is None:
+            self._choice = await choose_vmm(self._vmm_request, self.state_dir)
+        if self._choice.driver not in self._drivers:
+            raise FeosError(Code.FAILED_PRECONDITION, f"no driver for {self._choice.driver}")
         if self._cgroups is not None:
             from . import _cgroup
 
@@ -221,9 +271,10 @@ class MicroVms:
                 task_status.started(self)
                 await trio.sleep_forever()
         finally:
-            close = getattr(self._driver, "close", None)
-            if close is not None:
-                close()
+            for driver in self._drivers.values():
+                close = getattr(driver, "close", None)
+                if close is not None:
+                    close()
             for send in self._subscribers:
                 send.close()
             records = self._records
@@ -255,13 +306,14 @@ class MicroVms:
                 raise FeosError(Code.ALREADY_EXISTS, f"microVM {vm_id} exists with another spec")
             return self._info(vm)
         version, gdir = newest_guest(self._guest_root or guest_root())
-        record = VmRecord(vm_id, self._driver.name, VmState.CREATED, "", version, self.accel,
+        choice = self._choose()
+        record = VmRecord(vm_id, choice.driver, VmState.CREATED, "", version, choice.accel,
                           spec, self._free_uid())  # fmt: skip
         vm = self._new_vm(record, gdir)
         async with vm.lock:
             self._vms[vm_id] = vm
             try:
-                await self._driver.prepare(vm.handle)
+                await self._driver(vm).prepare(vm.handle)
             except BaseException:
                 del self._vms[vm_id]
                 raise
@@ -274,7 +326,8 @@ class MicroVms:
         async with vm.lock:
             if is_noop(vm.record.state, "start"):
                 return self._info(vm)
-            next_state(vm.record.state, "start")
+            next_state(vm.record.state, "start", vmm_name(vm.record.driver))
+            await self._rehome(vm)
             assert vm.link is not None
             attaches = vm.link.attaches
             await self._boot(vm)
@@ -282,8 +335,25 @@ class MicroVms:
                 await self._await_attach(vm, attaches)
         return self._info(vm)
 
+    async def _rehome(self, vm: _Vm) -> None:
+        """A microVM without process or snapshot moves to the node's VMM before it boots: the
+        old driver's directory goes, the new driver prepares the same spec (disks, TAP, uid)."""
+        choice = self._choose()
+        if (vm.record.driver, vm.record.accel) == (choice.driver, choice.accel):
+            return
+        was = f"{vmm_name(vm.record.driver)} under {vm.record.accel.upper()}"
+        self._stop_link(vm)
+        await self._driver(vm).delete(vm.handle)
+        record = attrs.evolve(vm.record, driver=choice.driver, accel=choice.accel)
+        vm.record, vm.handle = record, self._handle(record, vm.handle.guest_dir)
+        await self._driver(vm).prepare(vm.handle)
+        await self._record(vm, vm.record.state, vm.record.reason)
+        self._start_link(vm)
+        log.info("microVM %s boots under %s now (it was made for %s)", record.id,
+                 choice.describe(), was)  # fmt: skip
+
     async def _boot(self, vm: _Vm) -> None:
-        await self._driver.start(vm.handle, within=BOOT_S)
+        await self._driver(vm).start(vm.handle, within=BOOT_S)
         await self._join_cgroup(vm)
         await self._record(vm, VmState.RUNNING, "")
         self._watch(vm)
@@ -303,7 +373,7 @@ class MicroVms:
             raise FeosError(Code.UNAVAILABLE, f"microVM {vm.record.id}: {reason}") from None
 
     async def _kill(self, vm: _Vm) -> None:
-        kill = getattr(self._driver, "_kill", None)
+        kill = getattr(self._driver(vm), "_kill", None)
         if kill is not None:
             await kill(vm.record.id)
 
@@ -313,9 +383,9 @@ class MicroVms:
         async with vm.lock:
             if is_noop(vm.record.state, "shutdown"):
                 return self._info(vm)
-            next_state(vm.record.state, "shutdown")
+            next_state(vm.record.state, "shutdown", vmm_name(vm.record.driver))
             await self._guest_shutdown(vm)
-            exit_ = await self._driver.shutdown(vm.handle, grace=grace)
+            exit_ = await self._driver(vm).shutdown(vm.handle, grace=grace)
             await self._ended(vm, exit_)
         return self._info(vm)
 
@@ -338,7 +408,7 @@ class MicroVms:
         async with vm.lock:
             if is_noop(vm.record.state, "suspend"):
                 return self._info(vm)
-            next_state(vm.record.state, "suspend")
+            next_state(vm.record.state, "suspend", vmm_name(vm.record.driver))
             vm.suspending = True
             try:
                 await self._suspend(vm, purge_guest)
@@ -355,7 +425,7 @@ class MicroVms:
         if vm.link is not None:
             await vm.link.park()  # the session can go on after the resume
         try:
-            await self._driver.suspend(vm.handle, snapshot_timeout=timeout)
+            await self._driver(vm).suspend(vm.handle, snapshot_timeout=timeout)
         except BaseException as exc:
             if not (isinstance(exc, FeosError) and exc.busy) and vm.link is not None:
                 vm.link.unpark()  # no suspend: the session goes on over the same VMM
@@ -364,7 +434,7 @@ class MicroVms:
                 assert self._nursery is not None
                 self._nursery.start_soon(self._late_done, vm, vm.generation)
             raise
-        vm.generation += 1  # the watcher of the ended QEMU records nothing
+        vm.generation += 1  # the watcher of the ended VMM records nothing
         await self._record(vm, VmState.SUSPENDED, "")
         self._emit(Suspended(vm.record.id))
 
@@ -377,13 +447,13 @@ class MicroVms:
                     await link.call(link.client.prepare_suspend)
             except (FeosError, trio.TooSlowError) as exc:
                 log.info("microVM %s: PrepareSuspend failed: %s", vm.record.id, exc)
-        settle = getattr(self._driver, "settle", None)
+        settle = getattr(self._driver(vm), "settle", None)
         if settle is not None:
             await settle(vm.handle, within=SETTLE_S)
 
     async def _late_done(self, vm: _Vm, generation: int) -> None:
         try:
-            await self._driver.late_snapshot_done(vm.handle)
+            await self._driver(vm).late_snapshot_done(vm.handle)
         except FeosError as exc:
             log.warning("microVM %s: after its late snapshot: %s", vm.record.id, exc)
             return
@@ -399,7 +469,7 @@ class MicroVms:
         async with vm.lock:
             if is_noop(vm.record.state, "resume"):
                 return self._info(vm)
-            next_state(vm.record.state, "resume")
+            next_state(vm.record.state, "resume", vmm_name(vm.record.driver))
             assert vm.link is not None
             pinged = vm.link.resuming()
             sessions = vm.link.sessions
@@ -413,7 +483,7 @@ class MicroVms:
                 vm.link.kick()
 
             try:
-                await self._driver.resume(vm.handle, within=BOOT_S, rejoin=vm.link.rejoin,
+                await self._driver(vm).resume(vm.handle, within=BOOT_S, rejoin=vm.link.rejoin,
                                           running=running)  # fmt: skip
             except BaseException:
                 if not ran:
@@ -444,8 +514,8 @@ class MicroVms:
             vm.deleted = True
             for scope in vm.scopes:
                 scope.cancel()
-            await self._driver.delete(vm.handle)
-            if self._cgroups is not None:
+            await self._driver(vm).delete(vm.handle)
+            if self._cgroups is not None and not _own_cgroups(self._driver(vm)):
                 await trio.to_thread.run_sync(_cgroup_remove, self._cgroups, vm_id)
             async with self._write_lock:
                 assert self._records is not None
@@ -483,7 +553,7 @@ class MicroVms:
 
     def _refuse_late(self, vm: _Vm) -> None:
         if vm.record.state is VmState.BUSY:
-            raise busy(f"QEMU still writes the snapshot of microVM {vm.record.id}")
+            raise busy(_late_message(vm))
 
     def _info(self, vm: _Vm) -> VmInfo:
         r = vm.record
@@ -499,9 +569,12 @@ class MicroVms:
         return uid
 
     def _new_vm(self, record: VmRecord, gdir: Path) -> _Vm:
-        handle = VmHandle(record.id, record.spec, self._driver.directory(record.id),
-                          record.guest_version, gdir, record.accel, record.uid)  # fmt: skip
-        return _Vm(record, handle)
+        return _Vm(record, self._handle(record, gdir))
+
+    def _handle(self, record: VmRecord, gdir: Path) -> VmHandle:
+        directory = self._drivers[record.driver].directory(record.id)
+        return VmHandle(record.id, record.spec, directory, record.guest_version, gdir,
+                        record.accel, record.uid)  # fmt: skip
 
     async def _record(self, vm: _Vm, state: VmState, reason: str) -> None:
         """Keep the change in vms.db (worker thread, one write at a time), then in memory."""
@@ -522,11 +595,33 @@ class MicroVms:
         def attached(client: Any) -> None:
             self._emit(GuestAttached(vm_id, str(getattr(client, "boot_id", ""))))
 
-        vm.link = GuestLink(vm_id, self._driver.guest_link(vm.handle), self._bridge,
-                            network=network, on_attach=attached,
+        driver = self._driver(vm)
+        connect = None
+        listen = getattr(driver, "listen", None)
+        if listen is not None:  # the guest dials the node (Firecracker's vsock): accept
+            vm.listener = listen(vm.handle)
+            connect = functools.partial(accept_guest, vm.listener)
+        vm.link = GuestLink(vm_id, driver.guest_link(vm.handle), self._bridge,
+                            network=network, on_attach=attached, connect=connect,
                             clock_interval=self._clock_interval)  # fmt: skip
         assert self._nursery is not None
-        self._nursery.start_soon(self._in_scope, vm, vm.link.run)
+        self._nursery.start_soon(self._run_link, vm, vm.link, vm.listener)
+
+    async def _run_link(self, vm: _Vm, link: GuestLink, listener: socket.socket | None) -> None:
+        """The link's task; its listener is closed when the link has ended (the accept on the
+        Cap'n Proto thread cancelled first)."""
+        try:
+            with trio.CancelScope() as scope:
+                vm.link_scope = scope
+                await self._in_scope(vm, link.run)
+        finally:
+            if listener is not None:
+                listener.close()
+
+    def _stop_link(self, vm: _Vm) -> None:
+        if vm.link_scope is not None:
+            vm.link_scope.cancel()
+        vm.link = vm.link_scope = vm.listener = None
 
     async def _in_scope(self, vm: _Vm, fn: Callable[[], Awaitable[None]]) -> None:
         with trio.CancelScope() as scope:
@@ -541,7 +636,7 @@ class MicroVms:
         generation = vm.generation
 
         async def watch() -> None:
-            exit_ = await self._driver.wait(vm.handle)
+            exit_ = await self._driver(vm).wait(vm.handle)
             async with vm.lock:
                 if vm.generation == generation and vm.record.state is VmState.RUNNING:
                     await self._ended(vm, exit_)
@@ -559,26 +654,32 @@ class MicroVms:
         log.info("microVM %s %s: %s", vm.record.id, exit_.state.value, exit_.reason)
 
     async def _join_cgroup(self, vm: _Vm) -> None:
-        pid = getattr(self._driver, "pid", lambda _h: None)(vm.handle)
-        if self._cgroups is None or pid is None:
+        driver = self._driver(vm)
+        pid = getattr(driver, "pid", lambda _h: None)(vm.handle)
+        if self._cgroups is None or pid is None or _own_cgroups(driver):
             return
         await trio.to_thread.run_sync(_cgroup_join, self._cgroups, vm.record.id,
                                       vm.record.spec.vcpus, pid)  # fmt: skip
 
     async def _take_over(self, record: VmRecord) -> None:
         """A record found at the start: the microVM is adopted as its driver finds it."""
+        if record.driver not in self._drivers:
+            log.warning("microVM %s is recorded under %r, which this feosd has no driver of: "
+                        "left alone", record.id, record.driver)  # fmt: skip
+            return
         try:
             gdir = (self._guest_root or guest_root()) / record.guest_version
             vm = self._new_vm(record, gdir)
             self._vms[record.id] = vm
             self._start_link(vm)
-            if record.state not in (VmState.RUNNING, VmState.BUSY, VmState.SUSPENDED):
+            if record.state not in _KEEPS_ITS_VMM:
                 return
-            found = await self._driver.adopt(vm.handle)
+            found = await self._driver(vm).adopt(vm.handle)
         except FeosError as exc:
             log.warning("microVM %s could not be taken over: %s", record.id, exc)
             return
-        log.info("microVM %s taken over: %s %s", record.id, found.state.value, found.reason)
+        log.info("microVM %s taken over under %s: %s %s", record.id, vmm_name(record.driver),
+                 found.state.value, found.reason)  # fmt: skip
         if found.state in (VmState.RUNNING, VmState.BUSY):
             self._watch(vm)
             assert vm.link is not None
@@ -610,12 +711,45 @@ class GuestHandle:
         return call
 
 
+_KEEPS_ITS_VMM = (VmState.RUNNING, VmState.BUSY, VmState.SUSPENDED)
+
+
+def _late_message(vm: _Vm) -> str:
+    return f"{vmm_name(vm.record.driver)} still writes the snapshot of microVM {vm.record.id}"
+
+
 def _busy_reason(vm: _Vm) -> str | None:
     if vm.suspending:
         return f"microVM {vm.record.id} is being suspended"
     if vm.record.state is VmState.BUSY:
-        return f"QEMU still writes the snapshot of microVM {vm.record.id}"
+        return _late_message(vm)
     return None
+
+
+def _own_cgroups(driver: Driver) -> bool:
+    """Whether the driver puts its VMMs into their cgroups itself (Firecracker's jailer)."""
+    return bool(getattr(driver, "own_cgroups", False))
+
+
+def default_drivers(state_dir: Path, cgroups: Any | None) -> dict[str, Driver]:
+    """Both drivers: the node's choice boots, the other serves what still runs under it."""
+    from ._firecracker import FirecrackerDriver
+
+    return {"qemu": QemuDriver(state_dir),
+            "firecracker": FirecrackerDriver(state_dir, cgroups=cgroups)}
+
+
+async def accept_guest(listener: socket.socket, path: str, deadline: float = 5.0) -> Any:
+    """The guest link's connect where the guest dials the node (on the Cap'n Proto thread).
+    A connection that ends or fails before its session started is UNAVAILABLE, as a dial's."""
+    from feos.guestlink import GuestClient
+
+    try:
+        return await GuestClient.accept(listener, deadline=deadline)
+    except EOFError:
+        raise FeosError(Code.UNAVAILABLE, "the guest link closed before the hello") from None
+    except OSError as exc:
+        raise FeosError(Code.UNAVAILABLE, f"the guest link {path}: {exc.strerror or exc}") from None
 
 
 def _check_spec(spec: VmSpec) -> None:
@@ -627,19 +761,6 @@ def _check_spec(spec: VmSpec) -> None:
         json.loads(spec.metadata)
     except ValueError:
         raise FeosError(Code.INVALID_ARGUMENT, "spec.metadata: must be JSON") from None
-
-
-async def _detect_accel() -> str:
-    try:
-        from ._kvm import kvm_probe_async
-
-        probe = await kvm_probe_async()
-    except (OSError, FeosError) as exc:
-        log.warning("KVM could not be probed (%s): QEMU runs guests under TCG", exc)
-        return "tcg"
-    accel = "kvm" if probe.usable else "tcg"
-    log.info("QEMU runs guests under %s: %s", accel.upper(), probe.reason)
-    return accel
 
 
 def _cgroup_join(layout: Any, vm_id: str, vcpus: int, pid: int) -> None:

@@ -78,6 +78,10 @@ class FakeVms(Holds):
         self.vms[vm_id] = info
         return info
 
+    def driver_for(self, vm_id: str) -> str:
+        info = self.vms.get(vm_id)
+        return info.driver if info is not None else "fakevmm"
+
     def get(self, vm_id: str) -> VmInfo:
         try:
             return self.vms[vm_id]
