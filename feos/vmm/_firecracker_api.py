@@ -102,6 +102,8 @@ class ResponseParser:
                     return None
                 if isinstance(event, h11.Response):
                     self._head = _head(event)
+                    if _unframed(event):  # Firecracker keeps the connection: no body comes
+                        return Response(*self._head, b"")
                 elif isinstance(event, h11.Data):
                     self._body += event.data
                     if len(self._body) > MAX_BODY:
@@ -112,9 +114,18 @@ class ResponseParser:
                 elif not isinstance(event, h11.InformationalResponse):
                     raise ProtocolError("connection closed before a response")
         except h11.RemoteProtocolError as e:
-            if self._h11.their_state is h11.ERROR and self._head is not None:
-                raise ProtocolError(f"connection closed inside the body ({e})") from e
-            raise ProtocolError(f"not an HTTP/1.1 response: {e}") from e
+            if not self._h11.trailing_data[1]:
+                raise ProtocolError(f"not an HTTP/1.1 response: {e}") from e
+            where = "before a response" if self._head is None else "inside the body"
+            raise ProtocolError(f"connection closed {where}") from e
+
+
+def _unframed(event: h11.Response) -> bool:
+    """A response with a body but neither a length nor a coding: HTTP reads it to the close,
+    but Firecracker's server leaves the connection open, so it is taken as empty."""
+    names = {k for k, _ in event.headers}
+    no_body = event.status_code in (204, 304) or event.status_code < 200
+    return not no_body and not names & {b"content-length", b"transfer-encoding"}
 
 
 def _head(event: h11.Response) -> tuple[int, str, dict[str, str]]:
