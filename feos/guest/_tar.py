@@ -25,7 +25,14 @@ MAX_HEADER_DATA = 1 << 20  # a pax or GNU long-name record larger than this is r
 
 
 class TarError(ValueError):
-    """A layer that is not a tar archive this reads: a bad checksum, a cut stream, a bad field."""
+    """A layer that is not a tar archive this reads: a bad checksum, a cut stream, a bad field.
+    It is the only exception a malformed archive raises here (zlib.error aside, for gzip)."""
+
+
+# What a member's numbers may be: an owner is a uid_t, a time one that utime takes (a time_t),
+# a size is not negative. A number outside is refused, never handed on to the OS to overflow.
+RANGES = {"uid": (0, 1 << 32), "gid": (0, 1 << 32), "size": (0, 1 << 63),
+          "mtime": (-(1 << 63), 1 << 63), "mode": (0, 1 << 63)}  # fmt: skip
 
 
 class _Stream:
@@ -97,9 +104,9 @@ class Member:
 
 
 def _number(field: bytes, what: str) -> int:
-    if field and field[0] & 0x80:  # base-256 (GNU): big-endian, the top bit a flag
-        value = int.from_bytes(field, "big") & ~(0x80 << (8 * (len(field) - 1)))
-        return value
+    if field and field[0] in (0x80, 0xFF):  # base-256 (GNU): 0x80 positive, 0xFF negative
+        value = int.from_bytes(field[1:], "big")
+        return value if field[0] == 0x80 else value - (1 << (8 * (len(field) - 1)))
     text = field.split(b"\0", 1)[0].strip(b" ")
     if not text:
         return 0
@@ -146,9 +153,35 @@ def _pax(data: bytes) -> dict[str, str]:
         if length <= 0 or not record.endswith(b"\n") or b"=" not in record:
             raise TarError("a pax header record that does not parse")
         key, _, value = record[:-1].partition(b"=")
-        out[key.decode()] = value.decode("utf-8", "surrogateescape")
+        out[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
         at += length
     return out
+
+
+def _pax_fields(pax: dict[str, str], pending: dict[str, object]) -> None:
+    """What a pax header sets of the next member (tarfile's parse: int, mtime a float)."""
+    for key, field in (("path", "name"), ("linkpath", "linkname")):
+        if key in pax:
+            pending[field] = pax[key]
+    for key in ("size", "uid", "gid", "mtime"):
+        if key in pax:
+            try:
+                pending[key] = int(pax[key]) if key != "mtime" else float(pax[key])
+            except ValueError:
+                raise TarError(f"a pax header's {key} is not a number: {pax[key][:20]!r}") from None
+
+
+def _checked(fields: dict[str, object]) -> dict[str, object]:
+    """The member's fields, each in the range the OS takes (an mtime made whole)."""
+    for key, (low, high) in RANGES.items():
+        value = fields[key]
+        if not low <= value < high:  # type: ignore[operator]  # (false for nan)
+            raise TarError(f"a member's {key} is out of range: {str(value)[:24]}")
+        fields[key] = int(value)  # type: ignore[call-overload]
+    for key in ("name", "linkname"):
+        if "\0" in str(fields[key]):
+            raise TarError(f"a member's {key} holds a NUL byte")
+    return fields
 
 
 def members(f: BinaryIO, gzip: bool) -> Iterator[Member]:
@@ -165,26 +198,18 @@ def members(f: BinaryIO, gzip: bool) -> Iterator[Member]:
         kind = fields["type"]
         if kind in ("x", "g", "L", "K"):
             size = int(fields["size"])  # type: ignore[call-overload]
-            if size > MAX_HEADER_DATA:
+            if not 0 <= size <= MAX_HEADER_DATA:
                 raise TarError(f"an extended header of {size} bytes")
             data = stream.exact(size)
             if size % BLOCK:
                 stream.exact(-size % BLOCK)
             if kind == "x":
-                pax = _pax(data)
-                for key, field in (("path", "name"), ("linkpath", "linkname")):
-                    if key in pax:
-                        pending[field] = pax[key]
-                for key in ("size", "uid", "gid"):
-                    if key in pax:
-                        pending[key] = int(pax[key])
-                if "mtime" in pax:
-                    pending["mtime"] = int(float(pax["mtime"]))
+                _pax_fields(_pax(data), pending)
             elif kind in ("L", "K"):
                 pending["name" if kind == "L" else "linkname"] = _text(data)
             continue  # a global pax header ("g") changes nothing a layer needs
         fields.update(pending)
         pending = {}
-        member = Member(stream, fields)
+        member = Member(stream, _checked(fields))
         yield member
         member._finish()

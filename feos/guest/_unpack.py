@@ -10,6 +10,7 @@ tarfile: its import and gzip's cost each pod's first unpack about 0.1 s under TC
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import zlib
@@ -20,6 +21,8 @@ from . import _tar
 
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
+# What the OS refuses of a member because of the node, not of the layer: raised as they are.
+NOT_THE_LAYER = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.ENOMEM, errno.EROFS)
 
 
 def _inside(root: str, name: str) -> str | None:
@@ -146,13 +149,26 @@ class _Layer:
 
 
 def apply_layer(blob: str, compression: str, dest: str) -> None:
+    """Extracts the layer into dest. A layer that is not a tar archive, is cut short, holds a
+    bad field, or a member the filesystem cannot make (a name too long, a path through a file)
+    fails with FAILED_PRECONDITION naming the layer (and the member); a full disk is raised as
+    the OSError it is."""
     root = os.path.realpath(dest)
     os.makedirs(root, exist_ok=True)
     layer = _Layer(root, blob)
     try:
         with open(blob, "rb") as f:
             for m in _tar.members(f, compression == "gz"):
-                layer.extract(m)
+                _extract(layer, m)
     except (_tar.TarError, zlib.error) as e:
         raise FeosError(Code.FAILED_PRECONDITION,
                         f"layer {os.path.basename(blob)[:12]}: {e}") from None  # fmt: skip
+
+
+def _extract(layer: _Layer, m: _tar.Member) -> None:
+    try:
+        layer.extract(m)
+    except OSError as e:
+        if e.errno in NOT_THE_LAYER:
+            raise
+        raise layer.refuse(m, f"cannot be made: {e.strerror or e}") from None

@@ -36,6 +36,8 @@ SCALARS = {"i8": struct.Struct("<b"), "u8": struct.Struct("<B"), "i16": struct.S
            "f64": struct.Struct("<d"), "enum": struct.Struct("<H")}  # fmt: skip
 _SIZE_CODE = {1: 2, 2: 3, 4: 4, 8: 5}  # element bytes -> list element size code
 _ELEMENT_BITS = (0, 1, 8, 16, 32, 64, 64, 0)  # by element size code (7: composite)
+_DATA_BITS = (0, 1, 8, 16, 32, 64, 0, 0)  # an element's data and pointers, by size code
+_POINTERS = (0, 0, 0, 0, 0, 0, 1, 0)
 MAX_SEGMENTS = 512
 MAX_DEPTH = 64
 
@@ -124,14 +126,20 @@ class Message:
         return self.segments[seg]
 
     def check(self, seg: int, start: int, words: int) -> Any:
-        """The segment, once words from start are known to lie in it."""
+        """The segment, once words from start are known to lie in it (an object of no words
+        lies anywhere: nothing of it is read, and C++ takes it so)."""
         s = self._segment(seg)
-        if start < 0 or start + words > len(s) // 8:
+        if words and (start < 0 or start + words > len(s) // 8):
             raise WireError(f"an object out of segment {seg} (words {start}+{words})")
-        self._budget -= words + 1
+        self.charge(words + 1)
+        return s
+
+    def charge(self, words: int) -> None:
+        """Counts words read against the budget (a list of zero-sized elements costs a word
+        each, as in Cap'n Proto's C++: else it could claim 2**29 elements in no words)."""
+        self._budget -= words
         if self._budget < 0:
             raise WireError("the message reads more than it holds (an amplification)")
-        return s
 
     def resolve(self, seg: int, at: int) -> tuple[int, int, int]:
         """The pointer at word at: (segment, content's first word, tag word), far ones followed."""
@@ -154,6 +162,9 @@ class Message:
     def from_frame(cls, frame: bytes | memoryview) -> Message:
         """A message from its stream framing (the whole frame, as frame_size measured it)."""
         view = memoryview(frame)
+        size = frame_size(view)
+        if not size or size > len(view):
+            raise WireError(f"a frame of {len(view)} bytes, short of its segments")
         count = int.from_bytes(view[0:4], "little") + 1
         sizes = [int.from_bytes(view[4 + 4 * i : 8 + 4 * i], "little") for i in range(count)]
         at = (4 + 4 * count + 7) // 8 * 8
@@ -196,15 +207,19 @@ def struct_at(msg: Message, seg: int, at: int, layout: Layout, depth: int) -> St
         raise WireError(f"{layout.name}: expected a struct pointer, found kind {tag & 3}")
     data, ptrs = (tag >> 32) & 0xFFFF, tag >> 48
     msg.check(seg, start, data + ptrs)
-    return StructReader(msg, seg, start * 8, data, start + data, ptrs, layout, depth)
+    return StructReader(msg, seg, start * 8, data * 8, start + data, ptrs, layout, depth)
 
 
 class StructReader:
-    __slots__ = ("_data", "_depth", "_layout", "_msg", "_nptrs", "_ptr", "_seg", "_words")
+    """A struct on the wire: its data section (_size bytes from byte _data of its segment: a
+    word multiple, or 1, 2 or 4 bytes for an element of a list of narrow structs) and its
+    pointers (_nptrs words from word _ptr). A field past either end reads as its default."""
 
-    def __init__(self, msg: Message, seg: int, data: int, words: int, ptr: int, nptrs: int,
+    __slots__ = ("_data", "_depth", "_layout", "_msg", "_nptrs", "_ptr", "_seg", "_size")
+
+    def __init__(self, msg: Message, seg: int, data: int, size: int, ptr: int, nptrs: int,
                  layout: Layout, depth: int) -> None:  # fmt: skip
-        self._msg, self._seg, self._data, self._words = msg, seg, data, words
+        self._msg, self._seg, self._data, self._size = msg, seg, data, size
         self._ptr, self._nptrs, self._layout, self._depth = ptr, nptrs, layout, depth
 
     def __getattr__(self, name: str) -> Any:
@@ -217,7 +232,7 @@ class StructReader:
             return _absent(f)
         fast = f.fast
         if fast == INT:
-            if f.end > self._words << 3:
+            if f.end > self._size:
                 return f.default
             value = f.unpack(self._msg.segments[self._seg], self._data + f.byte)[0]
             return value ^ f.default if f.default else value
@@ -239,7 +254,7 @@ class StructReader:
             raise WireError(f"{self._layout.name}: a union member {d} this schema lacks") from None
 
     def _scalar(self, st: struct.Struct, byte: int, default: int) -> Any:
-        if byte + st.size > self._words * 8:
+        if byte + st.size > self._size:
             return default
         seg = self._msg.segments[self._seg]
         return st.unpack_from(seg, self._data + byte)[0] ^ default if default else \
@@ -259,14 +274,14 @@ class StructReader:
             return self._scalar(st, f.offset * st.size, 0)
         if kind == "bool":
             byte = f.offset >> 3
-            if byte >= self._words * 8:
+            if byte >= self._size:
                 return bool(f.default)
             bit = (self._msg.segments[self._seg][self._data + byte] >> (f.offset & 7)) & 1
             return bool(bit ^ f.default)
         if kind == "void":
             return None
         if kind == "group":
-            return StructReader(self._msg, self._seg, self._data, self._words, self._ptr,
+            return StructReader(self._msg, self._seg, self._data, self._size, self._ptr,
                                 self._nptrs, Layout.of(f.extra), self._depth)  # fmt: skip
         if f.offset >= self._nptrs:
             return _absent(f)
@@ -289,10 +304,14 @@ class StructReader:
         return self._msg, self._seg, self._ptr + f.offset
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields set (a union's active member only), nested as dicts and lists: for tests."""
+        """The fields (a union's active member only; a struct only when set, as pycapnp's
+        to_dict: a recursive type's defaults would never end), nested as dicts and lists: for
+        tests."""
         out: dict[str, Any] = {}
         for name, f in self._layout.fields.items():
             if f.disc >= 0 and self._discriminant() != f.disc:
+                continue
+            if f.kind == "struct" and not self._pointer_word(f.offset):
                 continue
             value = getattr(self, name)
             out[name] = _plain(value)
@@ -374,18 +393,58 @@ def read_pointer(msg: Message, seg: int, at: int, spec: tuple[Any, Any], depth: 
         raw = bytes(s[start * 8 : start * 8 + count])
         if kind == "data":
             return raw
-        if not raw or raw[-1] != 0:
-            raise WireError("text without its NUL")
-        return raw[:-1].decode()
+        return _text(raw)
     if size == 7:
         s = msg.check(seg, start, 1 + count)
         tag2 = int(_WORD.unpack_from(s, start * 8)[0])
-        n, data, ptrs = _signed30(tag2), (tag2 >> 32) & 0xFFFF, tag2 >> 48
-        if tag2 & 3 != 0 or n < 0 or n * (data + ptrs) > count:
+        # The tag is a struct pointer whose offset is the element count, 29 bits unsigned.
+        n, data, ptrs = (tag2 >> 2) & 0x1FFFFFFF, (tag2 >> 32) & 0xFFFF, tag2 >> 48
+        if tag2 & 3 != 0 or n * (data + ptrs) > count:
             raise WireError("a composite list whose tag does not fit its words")
+        if not data + ptrs:
+            msg.charge(n)
+        _check_elements(extra, 7, data, ptrs)
         return ListReader(msg, seg, start + 1, 7, n, extra, data, ptrs, depth)
     msg.check(seg, start, (count * _ELEMENT_BITS[size] + 63) // 64)
+    if not size:
+        msg.charge(count)
+    _check_elements(extra, size, 0, 0)
     return ListReader(msg, seg, start, size, count, extra, 0, 0, depth)
+
+
+def _expected_size(elem: tuple[Any, Any]) -> int:
+    """The element size code a list of elem is written with."""
+    kind = elem[0]
+    if kind == "struct":
+        return 7
+    if kind in ("text", "data", "list", "cap", "any"):
+        return 6
+    if kind in SCALARS:
+        return _SIZE_CODE[SCALARS[kind].size]
+    return 1 if kind == "bool" else 0
+
+
+def _check_elements(elem: tuple[Any, Any], size: int, data: int, ptrs: int) -> None:
+    """A list of element size `size` (data words and pointers of a composite's elements) read
+    as a list of elem, as Cap'n Proto's C++ takes it: an element may be wider than the schema's
+    (an upgrade; what is read is its first field), never narrower, and no bits are structs."""
+    want = _expected_size(elem)
+    if size == 7:
+        bad = want == 1 or (2 <= want <= 5 and not data) or (want == 6 and not ptrs)
+    else:
+        bad = (size == 1 and want != 1) or _DATA_BITS[want] > _DATA_BITS[size] or \
+            _POINTERS[want] > _POINTERS[size]  # fmt: skip
+    if bad:
+        raise WireError(f"a list of element size {size} read as a list of {elem[0]}")
+
+
+def _text(raw: bytes) -> str:
+    if not raw or raw[-1] != 0:
+        raise WireError("text without its NUL")
+    try:
+        return raw[:-1].decode()
+    except UnicodeDecodeError as e:
+        raise WireError(f"text that is not UTF-8 ({e.reason})") from None
 
 
 class _List:
@@ -422,64 +481,42 @@ class ListReader(_List):
         size = self._size
         if kind == "struct":
             return self._struct(i, Layout.of(extra))
+        # read_pointer checked the element size fits kind (_check_elements): an element wider
+        # than kind's (a struct list's, or wider numbers) is read as its first field.
         if kind in ("text", "data", "list", "cap", "any"):
+            at = self._start + i
             if size == 7:  # a struct list read as pointers: each element's first pointer
                 at = self._start + i * (self._data + self._ptrs) + self._data
-                if not self._ptrs:
-                    return _absent(Field(("", -1, kind, 0, extra, None)))
-            elif size == 6:
-                at = self._start + i
-            else:
-                raise WireError(f"a list of {kind} with element size {size}")
             return read_pointer(self._msg, self._seg, at, self._elem, self._depth + 1)
-        seg = self._msg.segments[self._seg]
-        if kind == "bool":
-            if size != 1:
-                raise WireError(f"a list of bool with element size {size}")
-            return bool((seg[self._start * 8 + (i >> 3)] >> (i & 7)) & 1)
         if kind == "void":
             return None
-        st = SCALARS[kind]
-        if size == 7:  # a struct list read as numbers: each element's first field
-            if not self._data:
-                return 0
-            value = st.unpack_from(seg, (self._start + i * (self._data + self._ptrs)) * 8)[0]
-        elif _ELEMENT_BITS[size] != st.size * 8:
-            raise WireError(f"a list of {kind} with element size {size}")
+        seg = self._msg.segments[self._seg]
+        if size == 7:
+            byte, bit = (self._start + i * (self._data + self._ptrs)) * 8, 0
         else:
-            value = st.unpack_from(seg, self._start * 8 + i * st.size)[0]
+            bits = i * _DATA_BITS[size]
+            byte, bit = self._start * 8 + (bits >> 3), bits & 7
+        if kind == "bool":
+            return bool((seg[byte] >> bit) & 1)
+        value = SCALARS[kind].unpack_from(seg, byte)[0]
         return _enum_name(extra, value) if kind == "enum" else value
 
     def _struct(self, i: int, layout: Layout) -> StructReader:
         if self._size == 7:
             words = self._data + self._ptrs
             start = self._start + i * words
-            return StructReader(self._msg, self._seg, start * 8, self._data, start + self._data,
-                                self._ptrs, layout, self._depth + 1)  # fmt: skip
+            data, ptrs = self._data, self._ptrs
+            return StructReader(self._msg, self._seg, start * 8, data * 8, start + data, ptrs,
+                                layout, self._depth + 1)  # fmt: skip
         bits = _ELEMENT_BITS[self._size]
         if self._size == 6:  # a list of pointers read as structs: the pointer is the struct's
             return StructReader(self._msg, self._seg, 0, 0, self._start + i, 1, layout,
                                 self._depth + 1)  # fmt: skip
         if self._size in (0, 1) or bits == 0:
             return StructReader(self._msg, self._seg, 0, 0, 0, 0, layout, self._depth + 1)
-        byte = self._start * 8 + i * bits // 8  # data-only elements narrower than a word
-        return _NarrowStruct(self._msg, self._seg, byte, bits // 8, layout, self._depth + 1)
-
-
-class _NarrowStruct(StructReader):
-    """An element of a list of 1, 2, 4 or 8 byte structs: its data section is that wide."""
-
-    __slots__ = ("_bytes",)
-
-    def __init__(self, msg: Message, seg: int, byte: int, nbytes: int, layout: Layout,
-                 depth: int) -> None:  # fmt: skip
-        super().__init__(msg, seg, byte, 1, 0, 0, layout, depth)
-        self._bytes = nbytes
-
-    def _scalar(self, st: struct.Struct, byte: int, default: int) -> Any:
-        if byte + st.size > self._bytes:
-            return default
-        return super()._scalar(st, byte, default)
+        # Data-only elements of 1, 2, 4 or 8 bytes: the data section is the element, no wider.
+        byte = self._start * 8 + i * bits // 8
+        return StructReader(self._msg, self._seg, byte, bits // 8, 0, 0, layout, self._depth + 1)
 
 
 # Building --------------------------------------------------------------------------------------

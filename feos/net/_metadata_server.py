@@ -5,8 +5,10 @@ the pod is known by the TAP its connection came in on, never by an address it cl
 connection on any other link finds no socket. The address is local only for packets that come
 in on a pod's TAP (the policy rule and table that feos.net._links sets up), so the node never
 holds it; the socket is IP_TRANSPARENT so that the kernel lets it bind, accept and answer from
-an address that is not one of the node's. The protocol is feos.net._mmds, pure; this module
-only moves bytes.
+an address that is not one of the node's. The protocol is feos.net._mmds, pure, over HTTP/1.1
+that feos.net._mmds_http reads with h11; this module only moves bytes. A connection is served
+until the guest closes it, is idle for 10 s, has asked 100 requests, or sends one that does not
+parse (answered 400, 431, 413, 501 or 505, then closed); no request ends the server.
 """
 
 from __future__ import annotations
@@ -24,13 +26,8 @@ import trio
 from feos.errors import Code, FeosError
 
 from ._links import netns_entered
-from ._mmds import (
-    BadRequest,
-    MmdsStore,
-    NeedMore,
-    bad_request_response,
-    parse_request,
-)
+from ._mmds import BadRequest, MmdsStore, Request, bad_request_response
+from ._mmds_http import NEED_MORE, HttpSession
 from ._options import METADATA4
 
 log = logging.getLogger(__name__)
@@ -169,23 +166,21 @@ class MetadataServer:
                 pass  # the guest went away: nothing to answer
 
     async def _requests(self, store: MmdsStore, conn: trio.SocketStream) -> None:
-        buf = b""
+        session = HttpSession()
         for _ in range(MAX_REQUESTS_PER_CONNECTION):
-            parsed = parse_request(buf)
-            while isinstance(parsed, NeedMore):
+            got = session.next_request()
+            while got is NEED_MORE:
                 with trio.move_on_after(IDLE_TIMEOUT):
-                    chunk = await conn.receive_some(65536)
-                    if chunk:
-                        buf += chunk
-                        parsed = parse_request(buf)
-                        continue
-                return  # closed, or idle too long
-            if isinstance(parsed, BadRequest):
-                await conn.send_all(bad_request_response(parsed).encode(keep_alive=False))
-                return
-            req, used = parsed
-            buf = buf[used:]
-            answer = store.respond(req, self.clock())
-            await conn.send_all(answer.encode(keep_alive=req.keep_alive))
-            if not req.keep_alive:
+                    session.receive(await conn.receive_some(65536))
+                    got = session.next_request()
+                    continue
+                return  # idle too long
+            if isinstance(got, Request):
+                answer = store.respond(got, self.clock())
+            elif isinstance(got, BadRequest):
+                answer = bad_request_response(got)
+            else:
+                return  # CLOSED: the guest is done
+            await conn.send_all(session.respond(answer))
+            if session.closing:
                 return

@@ -1,9 +1,7 @@
-"""The metadata contract (node.md, "Metadata"), pure: the object, its validation, MMDS version 2
-as Firecracker serves it, and a minimal HTTP/1.1 request parser for the node's own server.
+"""The metadata contract (node.md, "Metadata"), pure: the object, its validation, and MMDS
+version 2 as Firecracker serves it, over requests that feos.net._mmds_http reads with h11.
 
-Theory of operation. `parse_request(buffer)` takes the bytes a connection has read so far and
-returns NEED_MORE, a `BadRequest` (answer and close), or the `Request` and how many bytes it
-used. `MmdsStore.respond(request, now)` is MMDS version 2 as Firecracker does it:
+Theory of operation. `MmdsStore.respond(request, now)` is MMDS version 2 as Firecracker does it:
 
 - PUT /latest/api/token with X-metadata-token-ttl-seconds 1..21600 hands out a session token;
   a PUT with X-Forwarded-For is refused (400), as are a missing or bad TTL (400); a PUT to any
@@ -39,9 +37,6 @@ MAX_TOKENS = 1024  # per pod: a guest that asks for more loses its oldest
 TOKEN_HEADERS = ("x-metadata-token", "x-aws-ec2-metadata-token")
 TTL_HEADERS = ("x-metadata-token-ttl-seconds", "x-aws-ec2-metadata-token-ttl-seconds")
 
-MAX_HEAD = 16 * 1024
-MAX_BODY = 64 * 1024
-_TOKEN_CHARS = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
 
 # --- the object and its validation ----------------------------------------------------------
@@ -79,7 +74,7 @@ def metadata_object(pod_id: str, ipv6: str, ipv4: str, metadata: Mapping[str, An
     return {"feos": {"pod-id": pod_id, "ipv6": ipv6, "ipv4": ipv4}, "metadata": dict(metadata)}
 
 
-# --- HTTP/1.1 requests ----------------------------------------------------------------------
+# --- HTTP/1.1 requests, as feos.net._mmds_http reads them ------------------------------------
 
 
 @attrs.frozen
@@ -106,81 +101,13 @@ class Request:
 
 @attrs.frozen
 class BadRequest:
+    """A request the service refuses before it reads it (feos.net._mmds_http): answer, close."""
+
     status: int
     reason: str
 
 
-class NeedMore:
-    """The request goes on past the bytes read so far."""
-
-
-NEED_MORE = NeedMore()
-ParseResult = tuple[Request, int] | BadRequest | NeedMore
-
-
-def parse_request(buf: bytes) -> ParseResult:
-    """The first request in `buf`: (Request, bytes used), a BadRequest, or NEED_MORE."""
-    end = buf.find(b"\r\n\r\n")
-    if end < 0:
-        return BadRequest(431, "request head too large") if len(buf) > MAX_HEAD else NEED_MORE
-    if end > MAX_HEAD:
-        return BadRequest(431, "request head too large")
-    lines = buf[:end].split(b"\r\n")
-    first = _request_line(lines[0])
-    if isinstance(first, BadRequest):
-        return first
-    headers = _headers(lines[1:])
-    if isinstance(headers, BadRequest):
-        return headers
-    return _with_body(Request(*first, headers), buf, end + 4)
-
-
-def _request_line(line: bytes) -> tuple[str, str, str] | BadRequest:
-    parts = line.split(b" ")
-    if len(parts) != 3 or not _TOKEN_CHARS.match(parts[0]):
-        return BadRequest(400, "malformed request line")
-    method, target, version = parts
-    if version not in (b"HTTP/1.1", b"HTTP/1.0"):
-        return BadRequest(505, "HTTP version not supported")
-    if not target or any(c < 0x21 or c > 0x7E for c in target):
-        return BadRequest(400, "malformed request target")
-    return method.decode(), target.decode(), version.decode()
-
-
-def _headers(lines: list[bytes]) -> tuple[tuple[str, str], ...] | BadRequest:
-    out = []
-    for line in lines:
-        name, sep, value = line.partition(b":")
-        if not sep or not _TOKEN_CHARS.match(name):
-            return BadRequest(400, "malformed header")
-        v = value.strip(b" \t")
-        if any((c < 0x20 and c != 0x09) or c == 0x7F for c in v):
-            return BadRequest(400, "malformed header value")
-        out.append((name.decode().lower(), v.decode("latin-1")))
-    return tuple(out)
-
-
-def _with_body(req: Request, buf: bytes, start: int) -> ParseResult:
-    if req.header("transfer-encoding") is not None:
-        return BadRequest(501, "transfer codings are not supported")
-    lengths = {v for k, v in req.headers if k == "content-length"}
-    if not lengths:
-        return req, start
-    if len(lengths) != 1 or not (n := lengths.pop()).isdigit() or len(n) > 9:
-        return BadRequest(400, "bad Content-Length")
-    size = int(n)
-    if size > MAX_BODY:
-        return BadRequest(413, "request body too large")
-    if len(buf) < start + size:
-        return NEED_MORE
-    return attrs.evolve(req, body=buf[start : start + size]), start + size
-
-
 # --- responses ------------------------------------------------------------------------------
-
-REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
-           405: "Method Not Allowed", 413: "Payload Too Large", 431: "Request Header Fields Too "
-           "Large", 501: "Not Implemented", 505: "HTTP Version Not Supported"}
 
 
 @attrs.frozen
@@ -189,15 +116,6 @@ class Response:
     body: str
     content_type: str = "text/plain"
     allow: str | None = None
-
-    def encode(self, *, keep_alive: bool) -> bytes:
-        body = self.body.encode()
-        head = [f"HTTP/1.1 {self.status} {REASONS.get(self.status, 'Unknown')}",
-                f"Content-Type: {self.content_type}", f"Content-Length: {len(body)}",
-                "Connection: " + ("keep-alive" if keep_alive else "close")]
-        if self.allow:
-            head.append(f"Allow: {self.allow}")
-        return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
 def bad_request_response(bad: BadRequest) -> Response:

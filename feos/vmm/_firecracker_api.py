@@ -1,8 +1,9 @@
-"""Firecracker's API over its Unix socket: a small HTTP/1.1 client of our own.
+"""Firecracker's API over its Unix socket: HTTP/1.1 through h11 (sans-IO).
 
 The protocol part is pure (encode a request, parse a response from bytes fed in any pieces) and
 tested without sockets; `FirecrackerApi` is the thin trio loop around it, one connection per
-request, which Firecracker's server answers with Content-Length or 204 and nothing else.
+request, which Firecracker's server answers with Content-Length or 204. A response that h11
+cannot parse, a chunked one, a head over 16 KiB or a body over 4 MiB is a ProtocolError.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import h11
 import trio
 
 from feos.errors import Code, FeosError
@@ -20,6 +22,7 @@ from feos.errors import Code, FeosError
 MAX_HEAD = 16 * 1024
 MAX_BODY = 4 * 1024 * 1024
 _SUN_PATH_MAX = 107
+_HEADERS = [("Host", "localhost"), ("Accept", "application/json")]
 
 
 class ProtocolError(Exception):
@@ -30,12 +33,18 @@ def encode_request(method: str, path: str, body: Any = None) -> bytes:
     """One request; `body` is sent as JSON when not None."""
     if not path.startswith("/") or any(c in path for c in " \r\n"):
         raise ValueError(f"bad request path {path!r}")
-    head = [f"{method} {path} HTTP/1.1", "Host: localhost", "Accept: application/json"]
     payload = b""
+    headers = list(_HEADERS)
     if body is not None:
         payload = json.dumps(body, separators=(",", ":")).encode()
-        head += ["Content-Type: application/json", f"Content-Length: {len(payload)}"]
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + payload
+        headers += [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))]
+    conn = h11.Connection(h11.CLIENT)
+    events: list[h11.Request | h11.Data | h11.EndOfMessage] = [
+        h11.Request(method=method, target=path, headers=headers)]
+    if payload:
+        events.append(h11.Data(data=payload))
+    events.append(h11.EndOfMessage())
+    return b"".join(conn.send(e) or b"" for e in events)
 
 
 @attrs.frozen
@@ -61,66 +70,71 @@ class Response:
 
 
 class ResponseParser:
-    """Feed bytes as they come; `feed` returns the response once it is whole."""
+    """Feed bytes as they come; `feed` returns the response once it is whole. h11 frames it as
+    the answer to a request of `method` (a HEAD's answer has no body)."""
 
-    def __init__(self) -> None:
-        self._buf = bytearray()
+    def __init__(self, method: str = "GET") -> None:
+        self._h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
+        self._h11.send(h11.Request(method=method, target="/", headers=_HEADERS))
+        self._h11.send(h11.EndOfMessage())
         self._head: tuple[int, str, dict[str, str]] | None = None
-        self._length = 0
+        self._body = bytearray()
 
     def feed(self, data: bytes) -> Response | None:
-        self._buf += data
-        if self._head is None:
-            end = self._buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self._buf) > MAX_HEAD:
-                    raise ProtocolError("response head too long")
-                return None
-            self._head = _parse_head(bytes(self._buf[:end]))
-            self._length = _content_length(*self._head)
-            del self._buf[: end + 4]
-        if len(self._buf) < self._length:
-            return None
-        status, reason, headers = self._head
-        return Response(status, reason, headers, bytes(self._buf[: self._length]))
+        if not data:
+            return None  # (b"" is h11's end of stream: that is eof())
+        self._h11.receive_data(data)
+        return self._events()
 
     def eof(self) -> Response:
         """The connection closed: a response without a length ends here."""
-        if self._head is None:
+        self._h11.receive_data(b"")
+        got = self._events()
+        if got is None:  # (h11 says NEED_DATA no more once it knows of the close)
             raise ProtocolError("connection closed before a response")
-        if len(self._buf) < self._length:
-            raise ProtocolError("connection closed inside the body")
-        status, reason, headers = self._head
-        return Response(status, reason, headers, bytes(self._buf[: self._length]))
+        return got
+
+    def _events(self) -> Response | None:
+        try:
+            while True:
+                event = self._h11.next_event()
+                if event is h11.NEED_DATA:
+                    return None
+                if isinstance(event, h11.Response):
+                    self._head = _head(event)
+                    if _unframed(event):  # Firecracker keeps the connection: no body comes
+                        return Response(*self._head, b"")
+                elif isinstance(event, h11.Data):
+                    self._body += event.data
+                    if len(self._body) > MAX_BODY:
+                        raise ProtocolError("response body too long")
+                elif isinstance(event, h11.EndOfMessage):
+                    assert self._head is not None
+                    return Response(*self._head, bytes(self._body))
+                elif not isinstance(event, h11.InformationalResponse):
+                    raise ProtocolError("connection closed before a response")
+        except h11.RemoteProtocolError as e:
+            if not self._h11.trailing_data[1]:
+                raise ProtocolError(f"not an HTTP/1.1 response: {e}") from e
+            where = "before a response" if self._head is None else "inside the body"
+            raise ProtocolError(f"connection closed {where}") from e
 
 
-def _parse_head(raw: bytes) -> tuple[int, str, dict[str, str]]:
-    try:
-        lines = raw.decode("ascii").split("\r\n")
-    except UnicodeDecodeError as e:
-        raise ProtocolError("response head is not ASCII") from e
-    version, _, rest = lines[0].partition(" ")
-    code, _, reason = rest.partition(" ")
-    if version not in ("HTTP/1.1", "HTTP/1.0") or not (len(code) == 3 and code.isdigit()):
-        raise ProtocolError(f"bad status line {lines[0]!r}")
-    headers = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip():
-            raise ProtocolError(f"bad header line {line!r}")
-        headers[name.lower()] = value.strip()
-    return int(code), reason, headers
+def _unframed(event: h11.Response) -> bool:
+    """A response with a body but neither a length nor a coding: HTTP reads it to the close,
+    but Firecracker's server leaves the connection open, so it is taken as empty."""
+    names = {k for k, _ in event.headers}
+    no_body = event.status_code in (204, 304) or event.status_code < 200
+    return not no_body and not names & {b"content-length", b"transfer-encoding"}
 
 
-def _content_length(status: int, reason: str, headers: dict[str, str]) -> int:
-    if status in (204, 304) or 100 <= status < 200:
-        return 0
+def _head(event: h11.Response) -> tuple[int, str, dict[str, str]]:
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
     if "transfer-encoding" in headers:
         raise ProtocolError("chunked responses are not taken")
-    raw = headers.get("content-length", "0")
-    if not raw.isdigit() or int(raw) > MAX_BODY:
-        raise ProtocolError(f"bad content-length {raw!r}")
-    return int(raw)
+    if int(headers.get("content-length", "0")) > MAX_BODY:  # (h11 checked it is digits)
+        raise ProtocolError(f"bad content-length {headers['content-length']!r}")
+    return event.status_code, event.reason.decode("latin-1"), headers
 
 
 def check(response: Response, what: str) -> Response:
@@ -158,7 +172,7 @@ class FirecrackerApi:
         limit = self.timeout if within is None else within
         try:
             with trio.fail_after(limit):
-                return await self._exchange(encode_request(method, path, body))
+                return await self._exchange(method, encode_request(method, path, body))
         except trio.TooSlowError:
             raise FeosError(Code.UNAVAILABLE,
                             f"Firecracker {what}: no answer within {limit:g}s") from None
@@ -167,11 +181,11 @@ class FirecrackerApi:
         except ProtocolError as e:
             raise FeosError(Code.INTERNAL, f"Firecracker {what}: {e}") from e
 
-    async def _exchange(self, raw: bytes) -> Response:
+    async def _exchange(self, method: str, raw: bytes) -> Response:
         stream = await _connect(self.socket)
         async with stream:
             await stream.send_all(raw)
-            parser = ResponseParser()
+            parser = ResponseParser(method)
             while True:
                 data = await stream.receive_some(65536)
                 if not data:
