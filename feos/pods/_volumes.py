@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import trio
 
 from .. import _schema
-from .._store import Store
+from .._store import Staged, Store
 from ..errors import Code, FeosError, invalid
 from ..records import RecordDir
 from ..rpc._server import on_rpc_thread
@@ -105,6 +106,7 @@ class VolumeService:
             RecordDir(self.directory, _schema.volume().Volume, thread_name="volume-records"),
             Volume.to_dict,
             Volume.from_dict,
+            self._answer,
         )
         # What the API answers: each volume as a Cap'n Proto reader, the mapping replaced whole
         # on a change so that the reads on the RPC thread never see it change under them.
@@ -124,9 +126,15 @@ class VolumeService:
             raise FeosError(Code.NOT_FOUND, f"volume {volume_id} does not exist")
         return volume
 
+    def _answer(self, volume_id: str, reader: Any) -> None:
+        """Once a change is kept: the answers replaced whole, with the record's reader."""
+        if reader is None:
+            self._answers = {k: v for k, v in self._answers.items() if k != volume_id}
+        else:
+            self._answers = {**self._answers, volume_id: reader}
+
     async def _keep(self, volume: Volume) -> None:
-        reader = await self.store.put(volume.id, volume)
-        self._answers = {**self._answers, volume.id: reader}
+        await self.store.put(volume.id, volume)
 
     # -- the API ---------------------------------------------------------------------------
 
@@ -135,15 +143,18 @@ class VolumeService:
         size = check_size(params.get("sizeBytes", 0))
         labels = check_labels(params.get("labels", []))
         async with self.store.lock:
-            found = self.store.get(volume_id)
-            if found is not None:
-                if found.size_bytes == size and found.labels == labels:
-                    return {"volume": self._answers[volume_id]}
+            found = self.store.latest(volume_id)
+            if found is None:
+                volume = Volume(volume_id, size, labels, created_unix_ns=time.time_ns())
+                found = self.store.stage(volume_id, volume)
+            existing = found.value if isinstance(found, Staged) else found
+            if existing.size_bytes != size or existing.labels != labels:
                 raise FeosError(
                     Code.ALREADY_EXISTS, f"volume {volume_id} exists with another size or labels"
                 )
-            volume = Volume(volume_id, size, labels, created_unix_ns=time.time_ns())
-            await self._keep(volume)
+        # The record is written outside the lock: concurrent creates share the writer's syncs.
+        if isinstance(found, Staged):
+            await self.store.kept(found)
         return {"volume": self._answers[volume_id]}
 
     @on_rpc_thread
@@ -168,10 +179,7 @@ class VolumeService:
                     f"volume {volume_id} is {volume.state} to pod {volume.pod_id}",
                 )
             await self.store.remove(volume_id)
-            self._answers = {k: v for k, v in self._answers.items() if k != volume_id}
         path = self.disk_path(volume_id)
-        import trio
-
         await trio.to_thread.run_sync(lambda: path.unlink(missing_ok=True))
         return {}
 
