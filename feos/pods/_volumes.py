@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import attrs
 import trio
 
 from .. import _schema
+from .._codec import takes
 from .._store import Staged, Store
 from ..errors import Code, FeosError, invalid
 from ..records import RecordDir
@@ -79,12 +80,12 @@ def check_size(value: object) -> int:
     return value
 
 
-def check_labels(labels: Sequence[dict[str, Any]]) -> tuple[tuple[str, str], ...]:
+def check_labels(labels: Sequence[Label]) -> tuple[tuple[str, str], ...]:
     if len(labels) > MAX_LABELS:
         raise invalid("labels", f"at most {MAX_LABELS}")
     seen: dict[str, str] = {}
     for i, label in enumerate(labels):
-        key, value = label.get("key", ""), label.get("value", "")
+        key, value = label.key, label.value
         if not _LABEL_KEY.fullmatch(key):
             raise invalid(
                 f"labels[{i}].key",
@@ -97,6 +98,44 @@ def check_labels(labels: Sequence[dict[str, Any]]) -> tuple[tuple[str, str], ...
             raise invalid(f"labels[{i}].key", f"{key} is given twice")
         seen[key] = value
     return tuple(sorted(seen.items()))
+
+
+# -- the calls' params, structured and checked at the API's edge (feos._codec.takes) ----------
+
+
+@attrs.frozen
+class Label:
+    key: str = ""
+    value: str = ""
+
+
+def _checked(check: Callable[[Any], object]) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator of one of the check_ functions (which raise INVALID_ARGUMENT)."""
+
+    def validate(_instance: Any, _attribute: Any, value: Any) -> None:
+        check(value)
+
+    return validate
+
+
+@attrs.frozen
+class CreateVolume:
+    id: str = attrs.field(default="", validator=_checked(check_volume_id))
+    size_bytes: int = attrs.field(default=0, validator=_checked(check_size))
+    labels: tuple[Label, ...] = attrs.field(default=(), validator=_checked(check_labels))
+
+    def label_pairs(self) -> tuple[tuple[str, str], ...]:
+        return tuple(sorted((label.key, label.value) for label in self.labels))
+
+
+@attrs.frozen
+class VolumeId:
+    id: str = attrs.field(default="", validator=_checked(check_volume_id))
+
+
+@attrs.frozen
+class NoParams:
+    pass
 
 
 class VolumeService:
@@ -138,10 +177,9 @@ class VolumeService:
 
     # -- the API ---------------------------------------------------------------------------
 
-    async def create_volume(self, params: dict[str, Any]) -> dict[str, Any]:
-        volume_id = check_volume_id(params.get("id", ""))
-        size = check_size(params.get("sizeBytes", 0))
-        labels = check_labels(params.get("labels", []))
+    @takes(CreateVolume)
+    async def create_volume(self, call: CreateVolume) -> dict[str, Any]:
+        volume_id, size, labels = call.id, call.size_bytes, call.label_pairs()
         async with self.store.lock:
             found = self.store.latest(volume_id)
             if found is None:
@@ -158,19 +196,21 @@ class VolumeService:
         return {"volume": self._answers[volume_id]}
 
     @on_rpc_thread
-    def get_volume(self, params: dict[str, Any]) -> dict[str, Any]:
-        volume_id = check_volume_id(params.get("id", ""))
-        answer = self._answers.get(volume_id)
+    @takes(VolumeId)
+    def get_volume(self, call: VolumeId) -> dict[str, Any]:
+        answer = self._answers.get(call.id)
         if answer is None:
-            raise FeosError(Code.NOT_FOUND, f"volume {volume_id} does not exist")
+            raise FeosError(Code.NOT_FOUND, f"volume {call.id} does not exist")
         return {"volume": answer}
 
     @on_rpc_thread
-    def list_volumes(self, params: dict[str, Any]) -> dict[str, Any]:
+    @takes(NoParams)
+    def list_volumes(self, call: NoParams) -> dict[str, Any]:
         return {"volumes": list(self._answers.values())}
 
-    async def delete_volume(self, params: dict[str, Any]) -> dict[str, Any]:
-        volume_id = check_volume_id(params.get("id", ""))
+    @takes(VolumeId)
+    async def delete_volume(self, call: VolumeId) -> dict[str, Any]:
+        volume_id = call.id
         async with self.store.lock:
             volume = self._get(volume_id)
             if volume.pod_id:
