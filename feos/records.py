@@ -129,6 +129,23 @@ class Change:
             ) from self.error
 
 
+def _settle_kept(changes: list[Change]) -> None:
+    """Acknowledge a group with one wake-up of each trio thread it came from, in its order."""
+    by_token: dict[trio.lowlevel.TrioToken, list[Change]] = {}
+    for change in changes:
+        by_token.setdefault(change._token, []).append(change)
+    for token, group in by_token.items():
+        try:
+            token.run_sync_soon(_kept_all, group)
+        except trio.RunFinishedError:
+            pass
+
+
+def _kept_all(changes: list[Change]) -> None:
+    for change in changes:
+        change._settled(None)
+
+
 class _Writer:
     """One thread that commits a directory's changes in groups, in the order they were queued."""
 
@@ -181,8 +198,7 @@ class _Writer:
             for change in applied:
                 change.settle(exc)
             return
-        for change in applied:
-            change.settle(None)
+        _settle_kept(applied)
 
     def _stage(self, change: Change) -> bool:
         """A put's temporary file, written and synced; False (and settled) if that failed."""
