@@ -102,8 +102,8 @@ def _own_error(exc: BaseException) -> FeosError | None:
 
 def _invalid(exc: cattrs.BaseValidationError) -> FeosError:
     own = _own_error(exc)
-    if own is not None:
-        return own
+    if own is not None:  # anew, without the notes cattrs added on its way out
+        return FeosError(own.code, own.message, busy=own.busy)
     rule, _, where = cattrs.transform_error(exc, path="")[0].rpartition(" @ ")
     field = re.sub(r"[a-z0-9_]+", lambda m: camel(m.group()), where).lstrip(".")
     return invalid(field or "params", rule)
