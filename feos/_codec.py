@@ -27,7 +27,14 @@ T = TypeVar("T")
 S = TypeVar("S")
 R = TypeVar("R")
 
-_KINDS: dict[type, str] = {str: "a string", int: "an integer", bool: "true or false"}
+_KINDS: dict[type, str] = {
+    str: "a string", int: "an integer", bool: "true or false", bytes: "bytes"
+}
+
+
+@attrs.frozen
+class NoParams:
+    """The params of a call that takes none (what is sent is ignored)."""
 
 
 def _strict(kind: type) -> Callable[[Any, type], Any]:

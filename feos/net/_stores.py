@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from .. import _schema
-from .._codec import converter, structure_params, takes
+from .._codec import NoParams, converter, structure_params, takes
 from .._store import Store
 from ..errors import Code, FeosError, invalid
 from ..records import RecordDir
@@ -195,11 +195,6 @@ class UpdateNameTable:
     to_version: int = 0
     put: tuple[NameEntry, ...] = ()
     remove: tuple[str, ...] = ()
-
-
-@attrs.frozen
-class NoParams:
-    pass
 
 
 class SecurityGroupService:

@@ -17,7 +17,7 @@ import attrs
 import trio
 
 from .. import _schema
-from .._codec import takes
+from .._codec import NoParams, takes
 from .._store import Staged, Store
 from ..errors import Code, FeosError, invalid
 from ..records import RecordDir
@@ -131,11 +131,6 @@ class CreateVolume:
 @attrs.frozen
 class VolumeId:
     id: str = attrs.field(default="", validator=_checked(check_volume_id))
-
-
-@attrs.frozen
-class NoParams:
-    pass
 
 
 class VolumeService:

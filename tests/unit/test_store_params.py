@@ -61,3 +61,19 @@ async def test_name_table_calls_take_typed_params(tmp_path: Path) -> None:
         assert service.store.get("t1").version == 2  # type: ignore[union-attr]
     finally:
         service.close()
+
+
+async def test_host_and_traffic_calls_take_typed_params(tmp_path: Path) -> None:
+    from feos._host import HostService
+    from feos.net._traffic import RecordHub
+    from feos.net._traffic_service import TrafficService
+
+    host = HostService(state_dir=tmp_path, self_upgrade=True, binary=tmp_path / "feosd",
+                       upgrade=lambda _path: None, versions=dict)
+    with pytest.raises(FeosError, match="^INVALID_ARGUMENT: binary: invalid value for type"):
+        await host.upgrade_feos_binary({"binary": "not bytes", "sha256": "0" * 64})
+    with pytest.raises(FeosError, match="^INVALID_ARGUMENT: sha256: must be 64 hex digits"):
+        await host.upgrade_feos_binary({"binary": b"x", "sha256": "abc"})
+    traffic = TrafficService(RecordHub())
+    with pytest.raises(FeosError, match="^INVALID_ARGUMENT: podId: invalid value for type"):
+        await traffic.watch_traffic({"podId": 5})
