@@ -73,10 +73,10 @@ def group_from_dict(data: dict[str, Any]) -> SecurityGroup:
     group = SecurityGroup(
         id=group_id,
         rules_in=tuple(
-            rule_from_dict(r, f"rulesIn[{i}]") for i, r in enumerate(data.get("rulesIn", []))
+            rule_from_dict(r, f"rules_in[{i}]") for i, r in enumerate(data.get("rulesIn", []))
         ),
         rules_out=tuple(
-            rule_from_dict(r, f"rulesOut[{i}]") for i, r in enumerate(data.get("rulesOut", []))
+            rule_from_dict(r, f"rules_out[{i}]") for i, r in enumerate(data.get("rulesOut", []))
         ),
     )
     validate_group(group)

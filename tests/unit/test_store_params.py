@@ -18,9 +18,9 @@ def _nobody(_id: str) -> list[str]:
     ("params", "message"),
     [
         ({"group": {"id": "web", "rulesIn": [{"protocol": "sctp", "peer": {"group": "web"}}]}},
-         r"rulesIn\[0\]\.protocol: must be one of"),
+         r"rules_in\[0\]\.protocol: must be one of"),
         ({"group": {"id": "web", "rulesOut": [{"protocol": "tcp"}]}},
-         r"rulesOut\[0\]\.peer: must be an address block or a group$"),
+         r"rules_out\[0\]\.peer: must be an address block or a group$"),
         ({}, "group: required field missing"),
         ({"id": 7}, "group: required field missing"),
     ],
