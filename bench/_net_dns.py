@@ -225,8 +225,8 @@ def run() -> list[str]:
         f"dnsmasq forwarding (cache 10000): {theirs:.0f} qps {runs('dnsmasq')}",
         f"resolver with its answer cache: {ours:.0f} qps {runs('cached')}",
         f"resolver without a cache (every query upstream): {plain:.0f} qps {runs('plain')}",
-        f"ratio resolver qps / dnsmasq qps: {ours / theirs:.3f} (target 1)",
-        f"ratio resolver without cache qps / dnsmasq qps: {plain / theirs:.3f} (target 1)",
+        f"ratio resolver qps / dnsmasq qps: {ours / theirs:.3f} (target >= 1)",
+        f"ratio resolver without cache qps / dnsmasq qps: {plain / theirs:.3f} (target >= 1)",
         f"CPU per query (us, median): dnsmasq {cpu_theirs:.1f}, resolver with its cache "
         f"{cpu_ours:.1f}, without {cpu_plain:.1f} (the machine's load moves it least)",
     ]

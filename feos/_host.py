@@ -17,9 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import trio
 
 from . import __version__
+from ._codec import NoParams, takes
 from .errors import Code, FeosError
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,12 @@ def boot_id() -> str:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return ""
+
+
+@attrs.frozen
+class UpgradeFeosBinary:
+    binary: bytes = b""
+    sha256: str = ""
 
 
 class HostService:
@@ -86,19 +94,21 @@ class HostService:
         log.warning("asked to %s the node: signalling PID 1", what)
         os.kill(1, signum)
 
-    async def reboot(self, params: dict[str, Any]) -> dict[str, Any]:
+    @takes(NoParams)
+    async def reboot(self, call: NoParams) -> dict[str, Any]:
         self._signal_init(signal.SIGRTMIN + 5, "reboot")
         return {}
 
-    async def shutdown(self, params: dict[str, Any]) -> dict[str, Any]:
+    @takes(NoParams)
+    async def shutdown(self, call: NoParams) -> dict[str, Any]:
         self._signal_init(signal.SIGRTMIN + 4, "shut down")
         return {}
 
-    async def upgrade_feos_binary(self, params: dict[str, Any]) -> dict[str, Any]:
+    @takes(UpgradeFeosBinary)
+    async def upgrade_feos_binary(self, call: UpgradeFeosBinary) -> dict[str, Any]:
         if not self._self_upgrade:
             raise FeosError(Code.FAILED_PRECONDITION, "feosd runs without --self-upgrade")
-        binary: bytes = params.get("binary", b"")
-        expected = params.get("sha256", "").lower()
+        binary, expected = call.binary, call.sha256.lower()
         if not binary:
             raise FeosError(Code.INVALID_ARGUMENT, "binary: is empty")
         if len(expected) != 64 or any(c not in "0123456789abcdef" for c in expected):

@@ -1,7 +1,17 @@
 """A kept collection: values in memory, each also a record file, one change at a time.
 
-A change is seen once it is kept: `put` and `remove` write the record first (on the records'
-writer thread) and change the memory after, under the store's lock, which readers never take.
+A change is seen once it is kept: `put` and `remove` queue the record's change to the records'
+writer and change the memory when the writer says it is on disk (on the trio thread, in the order
+the changes were kept), and only then return. Callers take the store's `lock` when their change
+depends on what is there; readers never take it.
+
+A change that need not hold the lock while its record is written (a create, whose check is done
+once the new value is staged) calls `stage` under the lock and awaits `kept` after letting go of
+it: concurrent creates then share the writer's group commits. `latest` sees staged values too,
+so that a second create of the same ID finds the first and waits for it rather than writing again.
+
+Every wait for a record is bounded (`within`, seconds): one not kept in time fails its caller
+with DEADLINE_EXCEEDED naming the record, and the memory stays as the disk has it.
 """
 
 from __future__ import annotations
@@ -10,13 +20,26 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
+import attrs
 import trio
 
-from .records import RecordDir
+from .records import WRITE_TIMEOUT, Change, RecordDir
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+OnKept = Callable[[str, Any], None]
+"""Called with (record_id, reader) once a put is kept, (record_id, None) once a removal is."""
+
+
+@attrs.frozen(eq=False)
+class Staged(Generic[T]):
+    """A put queued to the disk and not yet known to be kept."""
+
+    record_id: str
+    value: T
+    change: Change
 
 
 class Store(Generic[T]):
@@ -25,11 +48,14 @@ class Store(Generic[T]):
         records: RecordDir,
         to_record: Callable[[T], dict[str, Any]],
         from_record: Callable[[dict[str, Any]], T],
+        on_kept: OnKept = lambda _id, _reader: None,
     ) -> None:
         self._records = records
         self._to_record = to_record
         self._from_record = from_record
+        self._on_kept = on_kept
         self._items: dict[str, T] = {}
+        self._staged: dict[str, Staged[T]] = {}
         self.lock = trio.Lock()
 
     def load(self) -> None:
@@ -45,6 +71,14 @@ class Store(Generic[T]):
     def get(self, record_id: str) -> T | None:
         return self._items.get(record_id)
 
+    def latest(self, record_id: str) -> Staged[T] | T | None:
+        """What a change under the lock must reckon with: a staged put, else the kept value."""
+        staged = self._staged.get(record_id)
+        if staged is not None and staged.change.kept.is_set():  # kept (then gone) or failed
+            del self._staged[record_id]
+            staged = None
+        return staged or self._items.get(record_id)
+
     def __contains__(self, record_id: str) -> bool:
         return record_id in self._items
 
@@ -57,18 +91,34 @@ class Store(Generic[T]):
     def items(self) -> list[tuple[str, T]]:
         return list(self._items.items())
 
-    async def put(self, record_id: str, value: T) -> Any:
-        """Keep value; the caller holds `lock` when its change depends on what is there.
+    def stage(self, record_id: str, value: T) -> Staged[T]:
+        """Queue value's record (under `lock`); `kept` waits for it."""
 
-        Returns the record as a Cap'n Proto reader, which an answer can carry as it is.
-        """
-        reader = await self._records.put(record_id, self._to_record(value))
-        self._items[record_id] = value
-        return reader
+        def kept(reader: Any) -> None:
+            self._items[record_id] = value
+            if self._staged.get(record_id) is staged:
+                del self._staged[record_id]
+            self._on_kept(record_id, reader)
 
-    async def remove(self, record_id: str) -> None:
-        await self._records.remove(record_id)
-        self._items.pop(record_id, None)
+        change = self._records.submit_put(record_id, self._to_record(value), kept)
+        staged = Staged(record_id, value, change)
+        self._staged[record_id] = staged
+        return staged
+
+    async def kept(self, staged: Staged[T], *, within: float = WRITE_TIMEOUT) -> None:
+        """Until the staged put is on disk and seen; FeosError if it failed or took too long."""
+        await staged.change.wait(within)
+
+    async def put(self, record_id: str, value: T, *, within: float = WRITE_TIMEOUT) -> None:
+        """Keep value; the caller holds `lock` when its change depends on what is there."""
+        await self.kept(self.stage(record_id, value), within=within)
+
+    async def remove(self, record_id: str, *, within: float = WRITE_TIMEOUT) -> None:
+        def kept() -> None:
+            self._items.pop(record_id, None)
+            self._on_kept(record_id, None)
+
+        await self._records.submit_remove(record_id, kept).wait(within)
 
     def close(self) -> None:
         self._records.close()

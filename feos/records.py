@@ -1,19 +1,27 @@
 """Record files: one Cap'n Proto message per file, written whole, in the order of the changes.
 
 Theory of operation: a `RecordDir` is a directory of `<id>.pb` files, each one message of one
-struct type. A write goes to a temporary file in the directory, is fsync'd, renamed over the
-record and the directory is fsync'd: a crash at any point leaves the old record or the new one,
-never a torn one. Writes run on one dedicated writer thread per directory, in the order they were
-asked for, so two changes of one record land in their order; the caller awaits the write and only
-then makes the change visible (or answers its call). At start `load()` reads every record; one
-that fails to parse is reported by name and moved aside as `<id>.pb.broken-<time>`, not fatal.
+struct type. A change (a put or a removal) is encoded on the caller's thread and queued to the
+directory's one writer thread, which commits in groups: it takes every change queued, writes and
+fsyncs each put's temporary file, then, in queue order, renames each over its record or unlinks
+the removed one, and fsyncs the directory ONCE for the group. Only then is each change
+acknowledged. A crash at any point leaves each record old or new, never torn, and nothing that
+was acknowledged is lost; the changes of one record land in the order they were queued.
+
+The caller waits for its acknowledgement shielded from cancellation (a change that is on its way
+to the disk is seen through) but bounded: a change not kept `within` its bound (seconds) fails its
+caller with DEADLINE_EXCEEDED naming the record, and is skipped if the writer has not reached it
+yet. At start `load()` reads every record; one that fails to parse is reported by name and moved
+aside as `<id>.pb.broken-<time>`, not fatal.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -27,19 +35,16 @@ from .errors import Code, FeosError
 log = logging.getLogger(__name__)
 
 SUFFIX = ".pb"
+WRITE_TIMEOUT = 30.0  # a sync behind a snapshot's write-back may take seconds; pods bound theirs alike
+"""Seconds a record may take to be kept before its caller is told it was not."""
+
+Fsync = Callable[[int], None]
 
 
 def write_whole(path: Path, data: bytes) -> None:
     """Write data to path so that a crash leaves either the old file or the new one."""
     tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _write_synced(tmp, data, os.fsync)
     os.rename(tmp, path)
     fsync_dir(path.parent)
 
@@ -61,77 +66,215 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-class _Writer:
-    """One thread that runs a directory's writes in the order they were queued."""
+def is_directory_fd(fd: int) -> bool:
+    return stat.S_ISDIR(os.fstat(fd).st_mode)
 
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[
-            tuple[Callable[[], None], Callable[[BaseException | None], None]] | None
-        ] = queue.SimpleQueue()
+
+def _write_synced(path: Path, data: bytes, fsync: Fsync) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Change:
+    """One queued put (`data`) or removal (`data is None`) of the record at `path`.
+
+    `on_kept` runs on the trio thread when the change is kept, before any waiter wakes, in the
+    order the writer kept the changes: what memory mirrors of the records follows the disk.
+    """
+
+    def __init__(self, path: Path, data: bytes | None, on_kept: Callable[[], None]) -> None:
+        self.path = path
+        self.data = data
+        self.on_kept = on_kept
+        self.abandoned = False  # its caller gave up: the writer skips it if not begun
+        self.tmp: Path | None = None  # a put's temporary file, once the writer made it
+        self.error: BaseException | None = None
+        self.kept = trio.Event()
+        self._token = trio.lowlevel.current_trio_token()
+
+    def settle(self, error: BaseException | None) -> None:
+        """On the writer thread: hand the outcome to the trio thread."""
+        try:
+            self._token.run_sync_soon(self._settled, error)
+        except trio.RunFinishedError:
+            pass
+
+    def _settled(self, error: BaseException | None) -> None:
+        self.error = error
+        if error is None:
+            self.on_kept()
+        self.kept.set()
+
+    async def wait(self, within: float) -> None:
+        """Until the change is kept, within `within` seconds; raises FeosError if not."""
+        with trio.CancelScope(shield=True), trio.move_on_after(within):
+            await self.kept.wait()
+        if not self.kept.is_set():
+            self.abandoned = True
+            raise FeosError(
+                Code.DEADLINE_EXCEEDED,
+                f"record {self.path} was not kept within {within:g}s (a write begun may land)",
+            )
+        if isinstance(self.error, FeosError):
+            raise self.error
+        if self.error is not None:
+            raise FeosError(
+                Code.UNAVAILABLE, f"record {self.path} could not be kept: {self.error}"
+            ) from self.error
+
+
+def _settle_kept(changes: list[Change]) -> None:
+    """Acknowledge a group with one wake-up of each trio thread it came from, in its order."""
+    by_token: dict[trio.lowlevel.TrioToken, list[Change]] = {}
+    for change in changes:
+        by_token.setdefault(change._token, []).append(change)
+    for token, group in by_token.items():
+        try:
+            token.run_sync_soon(_kept_all, group)
+        except trio.RunFinishedError:
+            pass
+
+
+def _kept_all(changes: list[Change]) -> None:
+    for change in changes:
+        change._settled(None)
+
+
+class _Writer:
+    """One thread that commits a directory's changes in groups, in the order they were queued."""
+
+    def __init__(self, directory: Path, name: str, fsync: Fsync) -> None:
+        self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._fsync = fsync
+        self._serial = itertools.count()
+        self._queue: queue.SimpleQueue[Change | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            work, done = item
-            try:
-                work()
-            except BaseException as exc:  # handed to the waiting caller
-                done(exc)
-            else:
-                done(None)
-
-    async def run(self, work: Callable[[], None]) -> None:
-        """Queue work and wait until it ran; a cancelled wait leaves it to run anyway."""
-        token = trio.lowlevel.current_trio_token()
-        finished = trio.Event()
-        outcome: list[BaseException | None] = []
-
-        def done(exc: BaseException | None) -> None:
-            outcome.append(exc)
-            try:
-                token.run_sync_soon(finished.set)
-            except trio.RunFinishedError:
-                pass
-
-        self._queue.put((work, done))
-        await finished.wait()
-        if outcome[0] is not None:
-            exc = outcome[0]
-            if isinstance(exc, OSError):
-                raise FeosError(Code.UNAVAILABLE, f"a record could not be written: {exc}") from exc
-            raise exc
+    def submit(self, change: Change) -> None:
+        self._queue.put(change)
 
     def close(self) -> None:
         self._queue.put(None)
 
+    def _loop(self) -> None:
+        try:
+            while (group := self._take()) is not None:
+                if group:
+                    self._commit(group)
+        finally:
+            os.close(self._dir_fd)
+
+    def _take(self) -> list[Change] | None:
+        """Every change queued (waiting for the first); None once closed."""
+        first = self._queue.get()
+        if first is None:
+            return None
+        group = [first]
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return group
+            if item is None:
+                self._commit(group)
+                return None
+            group.append(item)
+
+    def _commit(self, group: list[Change]) -> None:
+        staged = [c for c in group if self._stage(c)]
+        applied = [c for c in staged if self._apply(c)]
+        if not applied:
+            return
+        try:
+            self._fsync(self._dir_fd)
+        except OSError as exc:
+            for change in applied:
+                change.settle(exc)
+            return
+        _settle_kept(applied)
+
+    def _stage(self, change: Change) -> bool:
+        """A put's temporary file, written and synced; False (and settled) if that failed."""
+        if change.abandoned:
+            change.settle(FeosError(Code.DEADLINE_EXCEEDED, f"record {change.path}: given up"))
+            return False
+        if change.data is None:
+            return True
+        change.tmp = change.path.with_name(f".{change.path.name}.{next(self._serial)}.tmp")
+        try:
+            _write_synced(change.tmp, change.data, self._fsync)
+        except OSError as exc:
+            change.tmp.unlink(missing_ok=True)
+            change.settle(exc)
+            return False
+        return True
+
+    def _apply(self, change: Change) -> bool:
+        try:
+            if change.tmp is None:
+                change.path.unlink(missing_ok=True)
+            else:
+                os.rename(change.tmp, change.path)
+        except OSError as exc:
+            change.settle(exc)
+            return False
+        return True
+
 
 class RecordDir:
-    """The records of one kind: `<directory>/<id>.pb`, each a message of `struct`."""
+    """The records of one kind: `<directory>/<id>.pb`, each a message of `struct`.
 
-    def __init__(self, directory: Path, struct: Any, *, thread_name: str | None = None) -> None:
+    `fsync` is what syncs a file or the directory (os.fsync; tests count the calls).
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        struct: Any,
+        *,
+        thread_name: str | None = None,
+        fsync: Fsync = os.fsync,
+    ) -> None:
         self.directory = directory
         self.struct = struct
         directory.mkdir(parents=True, exist_ok=True)
-        self._writer = _Writer(thread_name or f"records-{directory.name}")
+        self._writer = _Writer(directory, thread_name or f"records-{directory.name}", fsync)
 
     def path(self, record_id: str) -> Path:
         return self.directory / f"{record_id}{SUFFIX}"
 
-    async def put(self, record_id: str, value: dict[str, Any]) -> Any:
-        """Keep the record; returns once it is on disk, with the message as a reader."""
+    def submit_put(
+        self, record_id: str, value: dict[str, Any], on_kept: Callable[[Any], None]
+    ) -> Change:
+        """Queue the record's new value; on_kept(reader) runs once it is on disk."""
         message = self.struct.new_message(**value)
-        data = message.to_bytes_packed()
-        path = self.path(record_id)
-        await self._writer.run(lambda: write_whole(path, data))
-        return message.as_reader()
+        reader = message.as_reader()
+        change = Change(self.path(record_id), message.to_bytes_packed(), lambda: on_kept(reader))
+        self._writer.submit(change)
+        return change
 
-    async def remove(self, record_id: str) -> None:
-        path = self.path(record_id)
-        await self._writer.run(lambda: remove_whole(path))
+    def submit_remove(self, record_id: str, on_kept: Callable[[], None]) -> Change:
+        change = Change(self.path(record_id), None, on_kept)
+        self._writer.submit(change)
+        return change
+
+    async def put(
+        self, record_id: str, value: dict[str, Any], *, within: float = WRITE_TIMEOUT
+    ) -> Any:
+        """Keep the record; returns once it is on disk, with the message as a reader."""
+        readers: list[Any] = []
+        await self.submit_put(record_id, value, readers.append).wait(within)
+        return readers[0]
+
+    async def remove(self, record_id: str, *, within: float = WRITE_TIMEOUT) -> None:
+        await self.submit_remove(record_id, lambda: None).wait(within)
 
     def load(self) -> dict[str, dict[str, Any]]:
         """Every record as a dict; broken ones reported and moved aside."""
@@ -145,7 +288,7 @@ class RecordDir:
                 aside = path.with_name(f"{path.name}.broken-{int(time.time())}")
                 log.error("record %s is unreadable (%s): moved aside to %s", path, exc, aside.name)
                 os.rename(path, aside)
-        for stale in self.directory.glob(f".*{SUFFIX}.tmp"):
+        for stale in self.directory.glob(f".*{SUFFIX}*.tmp"):
             stale.unlink(missing_ok=True)
         return found
 

@@ -7,11 +7,14 @@ Enforcement is the network's (the table's compiler and the resolver read these s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from .. import _schema
+from .._codec import NoParams, converter, structure_params, takes
 from .._store import Store
 from ..errors import Code, FeosError, invalid
 from ..records import RecordDir
@@ -35,6 +38,8 @@ InUse = Callable[[str], list[str]]
 
 def rule_from_dict(data: dict[str, Any], field: str) -> Rule:
     protocol_name = str(data.get("protocol", "any")).upper()
+    if protocol_name not in Protocol.__members__:
+        raise invalid(f"{field}.protocol", f"must be one of {', '.join(Protocol.__members__)}")
     protocol = Protocol[protocol_name]
     first, last = data.get("firstPort", 0), data.get("lastPort", 0)
     ports = None if first == 0 and last == 0 else Ports(first, last)
@@ -89,22 +94,36 @@ def group_to_dict(group: SecurityGroup) -> dict[str, Any]:
 # -- name tables -------------------------------------------------------------------------------
 
 
-def _names(items: list[dict[str, Any]], field: str) -> dict[str, list[str]]:
+@attrs.frozen
+class NameEntry:
+    name: str = ""
+    addresses: tuple[str, ...] = ()
+
+
+def _names(items: Sequence[NameEntry], field: str) -> dict[str, list[str]]:
     names: dict[str, list[str]] = {}
     for i, item in enumerate(items):
-        name = item.get("name", "")
-        if name in names:
-            raise invalid(f"{field}[{i}].name", f"{name} is given twice")
-        names[name] = list(item.get("addresses", []))
+        if item.name in names:
+            raise invalid(f"{field}[{i}].name", f"{item.name} is given twice")
+        names[item.name] = list(item.addresses)
     return names
 
 
+@attrs.frozen
+class _TableParams:
+    id: str = ""
+    version: int = 0
+    names: tuple[NameEntry, ...] = ()
+    includes: tuple[str, ...] = ()
+
+
 def table_from_dict(data: dict[str, Any]) -> NameTable:
+    table = structure_params(data, _TableParams)
     return NameTable.parse(
-        id=data.get("id", ""),
-        version=data.get("version", 0),
-        names=_names(data.get("names", []), "names"),
-        includes=data.get("includes", []),
+        id=table.id,
+        version=table.version,
+        names=_names(table.names, "names"),
+        includes=table.includes,
     )
 
 
@@ -133,6 +152,51 @@ def _not_found(kind: str, record_id: str) -> FeosError:
     return FeosError(Code.NOT_FOUND, f"{kind} {record_id} does not exist")
 
 
+# -- the calls' params, structured at the API's edge (feos._codec.takes) ---------------------
+
+
+def _checked_group_id(_instance: Any, _attribute: Any, value: str) -> None:
+    validate_group_id(value)
+
+
+def _checked_table_id(_instance: Any, _attribute: Any, value: str) -> None:
+    if not is_label(value):
+        raise invalid("id", "must be one DNS label in lower case (a lowercase UUID is one)")
+
+
+converter.register_structure_hook(SecurityGroup, lambda data, _cls: group_from_dict(data))
+converter.register_structure_hook(NameTable, lambda data, _cls: table_from_dict(data))
+
+
+@attrs.frozen
+class PutSecurityGroup:
+    group: SecurityGroup
+
+
+@attrs.frozen
+class GroupId:
+    id: str = attrs.field(default="", validator=_checked_group_id)
+
+
+@attrs.frozen
+class PutNameTable:
+    table: NameTable
+
+
+@attrs.frozen
+class TableId:
+    id: str = attrs.field(default="", validator=_checked_table_id)
+
+
+@attrs.frozen
+class UpdateNameTable:
+    id: str = attrs.field(default="", validator=_checked_table_id)
+    from_version: int = 0
+    to_version: int = 0
+    put: tuple[NameEntry, ...] = ()
+    remove: tuple[str, ...] = ()
+
+
 class SecurityGroupService:
     def __init__(self, state_dir: Path, in_use: InUse) -> None:
         self.store: Store[SecurityGroup] = Store(
@@ -150,32 +214,31 @@ class SecurityGroupService:
     def load(self) -> None:
         self.store.load()
 
-    async def put_security_group(self, params: dict[str, Any]) -> dict[str, Any]:
-        group = group_from_dict(params.get("group", {}))
+    @takes(PutSecurityGroup)
+    async def put_security_group(self, call: PutSecurityGroup) -> dict[str, Any]:
         async with self.store.lock:
-            await self.store.put(group.id, group)
+            await self.store.put(call.group.id, call.group)
         self.on_change()
-        return {"group": group_to_dict(group)}
+        return {"group": group_to_dict(call.group)}
 
-    async def get_security_group(self, params: dict[str, Any]) -> dict[str, Any]:
-        group_id = params.get("id", "")
-        validate_group_id(group_id)
-        group = self.store.get(group_id)
+    @takes(GroupId)
+    async def get_security_group(self, call: GroupId) -> dict[str, Any]:
+        group = self.store.get(call.id)
         if group is None:
-            raise _not_found("security group", group_id)
+            raise _not_found("security group", call.id)
         return {"group": group_to_dict(group)}
 
-    async def list_security_groups(self, params: dict[str, Any]) -> dict[str, Any]:
+    @takes(NoParams)
+    async def list_security_groups(self, call: NoParams) -> dict[str, Any]:
         return {"groups": [group_to_dict(g) for g in self.store]}
 
-    async def delete_security_group(self, params: dict[str, Any]) -> dict[str, Any]:
-        group_id = params.get("id", "")
-        validate_group_id(group_id)
+    @takes(GroupId)
+    async def delete_security_group(self, call: GroupId) -> dict[str, Any]:
         async with self.store.lock:
-            if group_id not in self.store:
-                raise _not_found("security group", group_id)
-            _refuse_in_use("security group", group_id, self._in_use)
-            await self.store.remove(group_id)
+            if call.id not in self.store:
+                raise _not_found("security group", call.id)
+            _refuse_in_use("security group", call.id, self._in_use)
+            await self.store.remove(call.id)
         self.on_change()
         return {}
 
@@ -202,53 +265,47 @@ class NameTableService:
     def tables(self) -> dict[str, NameTable]:
         return dict(self.store.items())
 
-    def _check_id(self, table_id: str) -> None:
-        if not is_label(table_id):
-            raise invalid("id", "must be one DNS label in lower case (a lowercase UUID is one)")
-
-    async def put_name_table(self, params: dict[str, Any]) -> dict[str, Any]:
-        table = table_from_dict(params.get("table", {}))
+    @takes(PutNameTable)
+    async def put_name_table(self, call: PutNameTable) -> dict[str, Any]:
         async with self.store.lock:
-            await self.store.put(table.id, table)
-        return {"table": table_to_dict(table)}
+            await self.store.put(call.table.id, call.table)
+        return {"table": table_to_dict(call.table)}
 
-    async def update_name_table(self, params: dict[str, Any]) -> dict[str, Any]:
-        table_id = params.get("id", "")
-        self._check_id(table_id)
+    @takes(UpdateNameTable)
+    async def update_name_table(self, call: UpdateNameTable) -> dict[str, Any]:
         async with self.store.lock:
-            table = self.store.get(table_id)
+            table = self.store.get(call.id)
             if table is None:
-                raise _not_found("name table", table_id)
+                raise _not_found("name table", call.id)
             delta = NameTableDelta(
-                table_id=table_id,
-                from_version=params.get("fromVersion", 0),
-                to_version=params.get("toVersion", 0),
-                put=_names(params.get("put", []), "put"),
-                removed=tuple(params.get("remove", [])),
+                table_id=call.id,
+                from_version=call.from_version,
+                to_version=call.to_version,
+                put=_names(call.put, "put"),
+                removed=call.remove,
             )
             updated = apply_delta(table, delta)
-            await self.store.put(table_id, updated)
+            await self.store.put(call.id, updated)
         return {"table": table_to_dict(updated)}
 
-    async def get_name_table(self, params: dict[str, Any]) -> dict[str, Any]:
-        table_id = params.get("id", "")
-        self._check_id(table_id)
-        table = self.store.get(table_id)
+    @takes(TableId)
+    async def get_name_table(self, call: TableId) -> dict[str, Any]:
+        table = self.store.get(call.id)
         if table is None:
-            raise _not_found("name table", table_id)
+            raise _not_found("name table", call.id)
         return {"table": table_to_dict(table)}
 
-    async def list_name_tables(self, params: dict[str, Any]) -> dict[str, Any]:
+    @takes(NoParams)
+    async def list_name_tables(self, call: NoParams) -> dict[str, Any]:
         return {"tables": [table_to_dict(t) for t in self.store]}
 
-    async def delete_name_table(self, params: dict[str, Any]) -> dict[str, Any]:
-        table_id = params.get("id", "")
-        self._check_id(table_id)
+    @takes(TableId)
+    async def delete_name_table(self, call: TableId) -> dict[str, Any]:
         async with self.store.lock:
-            if table_id not in self.store:
-                raise _not_found("name table", table_id)
-            _refuse_in_use("name table", table_id, self._in_use)
-            await self.store.remove(table_id)
+            if call.id not in self.store:
+                raise _not_found("name table", call.id)
+            _refuse_in_use("name table", call.id, self._in_use)
+            await self.store.remove(call.id)
         return {}
 
     def close(self) -> None:

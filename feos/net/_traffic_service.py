@@ -15,8 +15,10 @@ import ipaddress
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import trio
 
+from feos._codec import takes
 from feos.errors import Code, FeosError, invalid
 
 from ._links import tap_name
@@ -68,6 +70,16 @@ def record_dict(rec: Record) -> dict[str, Any]:
     raise TypeError(f"not a traffic record: {rec!r}")
 
 
+@attrs.frozen
+class NextParams:
+    max: int = 0
+
+
+@attrs.frozen
+class WatchTraffic:
+    pod_id: str = ""
+
+
 class TrafficStream:
     """One watcher's subscription to the hub."""
 
@@ -79,8 +91,9 @@ class TrafficStream:
         self._skipped_missed = 0
         self.closed = False
 
-    async def next(self, params: dict[str, Any]) -> dict[str, Any]:
-        limit = min(max(int(params.get("max", 0)) or DEFAULT_MAX, 1), MAX_MAX)
+    @takes(NextParams)
+    async def next(self, call: NextParams) -> dict[str, Any]:
+        limit = min(max(call.max or DEFAULT_MAX, 1), MAX_MAX)
         records: list[Record] = []
         end = False
         while not records and not end:
@@ -120,8 +133,6 @@ class TrafficStream:
 
 
 def _with_missed(rec: Record, missed: int) -> Record:
-    import attrs
-
     return attrs.evolve(rec, missed=missed)
 
 
@@ -139,15 +150,16 @@ class TrafficService:
             try:
                 tap_name(pod_id)
             except FeosError:
-                raise invalid("pod_id", "must be a pod's ID (11 characters or a UUID)") from None
+                raise invalid("podId", "must be a pod's ID (11 characters or a UUID)") from None
         reason = self._unavailable()
         if reason is not None:
             raise FeosError(Code.FAILED_PRECONDITION, reason)
         return TrafficStream(self.hub, pod_id)
 
-    async def watch_traffic(self, params: dict[str, Any]) -> dict[str, Any]:
+    @takes(WatchTraffic)
+    async def watch_traffic(self, call: WatchTraffic) -> dict[str, Any]:
         from feos import _schema
         from feos.rpc import Cap
 
-        stream = self.open_stream(str(params.get("podId", "")))
+        stream = self.open_stream(call.pod_id)
         return {"stream": Cap(_schema.network().TrafficStream, stream)}

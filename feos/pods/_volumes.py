@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
+import trio
 
 from .. import _schema
-from .._store import Store
+from .._codec import NoParams, takes
+from .._store import Staged, Store
 from ..errors import Code, FeosError, invalid
 from ..records import RecordDir
 from ..rpc import on_rpc_thread
@@ -78,12 +80,12 @@ def check_size(value: object) -> int:
     return value
 
 
-def check_labels(labels: Sequence[dict[str, Any]]) -> tuple[tuple[str, str], ...]:
+def check_labels(labels: Sequence[Label]) -> tuple[tuple[str, str], ...]:
     if len(labels) > MAX_LABELS:
         raise invalid("labels", f"at most {MAX_LABELS}")
     seen: dict[str, str] = {}
     for i, label in enumerate(labels):
-        key, value = label.get("key", ""), label.get("value", "")
+        key, value = label.key, label.value
         if not _LABEL_KEY.fullmatch(key):
             raise invalid(
                 f"labels[{i}].key",
@@ -98,6 +100,39 @@ def check_labels(labels: Sequence[dict[str, Any]]) -> tuple[tuple[str, str], ...
     return tuple(sorted(seen.items()))
 
 
+# -- the calls' params, structured and checked at the API's edge (feos._codec.takes) ----------
+
+
+@attrs.frozen
+class Label:
+    key: str = ""
+    value: str = ""
+
+
+def _checked(check: Callable[[Any], object]) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator of one of the check_ functions (which raise INVALID_ARGUMENT)."""
+
+    def validate(_instance: Any, _attribute: Any, value: Any) -> None:
+        check(value)
+
+    return validate
+
+
+@attrs.frozen
+class CreateVolume:
+    id: str = attrs.field(default="", validator=_checked(check_volume_id))
+    size_bytes: int = attrs.field(default=0, validator=_checked(check_size))
+    labels: tuple[Label, ...] = attrs.field(default=(), validator=_checked(check_labels))
+
+    def label_pairs(self) -> tuple[tuple[str, str], ...]:
+        return tuple(sorted((label.key, label.value) for label in self.labels))
+
+
+@attrs.frozen
+class VolumeId:
+    id: str = attrs.field(default="", validator=_checked(check_volume_id))
+
+
 class VolumeService:
     def __init__(self, state_dir: Path) -> None:
         self.directory = state_dir / "volumes"
@@ -105,6 +140,7 @@ class VolumeService:
             RecordDir(self.directory, _schema.volume().Volume, thread_name="volume-records"),
             Volume.to_dict,
             Volume.from_dict,
+            self._answer,
         )
         # What the API answers: each volume as a Cap'n Proto reader, the mapping replaced whole
         # on a change so that the reads on the RPC thread never see it change under them.
@@ -124,42 +160,52 @@ class VolumeService:
             raise FeosError(Code.NOT_FOUND, f"volume {volume_id} does not exist")
         return volume
 
+    def _answer(self, volume_id: str, reader: Any) -> None:
+        """Once a change is kept: the answers replaced whole, with the record's reader."""
+        if reader is None:
+            self._answers = {k: v for k, v in self._answers.items() if k != volume_id}
+        else:
+            self._answers = {**self._answers, volume_id: reader}
+
     async def _keep(self, volume: Volume) -> None:
-        reader = await self.store.put(volume.id, volume)
-        self._answers = {**self._answers, volume.id: reader}
+        await self.store.put(volume.id, volume)
 
     # -- the API ---------------------------------------------------------------------------
 
-    async def create_volume(self, params: dict[str, Any]) -> dict[str, Any]:
-        volume_id = check_volume_id(params.get("id", ""))
-        size = check_size(params.get("sizeBytes", 0))
-        labels = check_labels(params.get("labels", []))
+    @takes(CreateVolume)
+    async def create_volume(self, call: CreateVolume) -> dict[str, Any]:
+        volume_id, size, labels = call.id, call.size_bytes, call.label_pairs()
         async with self.store.lock:
-            found = self.store.get(volume_id)
-            if found is not None:
-                if found.size_bytes == size and found.labels == labels:
-                    return {"volume": self._answers[volume_id]}
+            found = self.store.latest(volume_id)
+            if found is None:
+                volume = Volume(volume_id, size, labels, created_unix_ns=time.time_ns())
+                found = self.store.stage(volume_id, volume)
+            existing = found.value if isinstance(found, Staged) else found
+            if existing.size_bytes != size or existing.labels != labels:
                 raise FeosError(
                     Code.ALREADY_EXISTS, f"volume {volume_id} exists with another size or labels"
                 )
-            volume = Volume(volume_id, size, labels, created_unix_ns=time.time_ns())
-            await self._keep(volume)
+        # The record is written outside the lock: concurrent creates share the writer's syncs.
+        if isinstance(found, Staged):
+            await self.store.kept(found)
         return {"volume": self._answers[volume_id]}
 
     @on_rpc_thread
-    def get_volume(self, params: dict[str, Any]) -> dict[str, Any]:
-        volume_id = check_volume_id(params.get("id", ""))
-        answer = self._answers.get(volume_id)
+    @takes(VolumeId)
+    def get_volume(self, call: VolumeId) -> dict[str, Any]:
+        answer = self._answers.get(call.id)
         if answer is None:
-            raise FeosError(Code.NOT_FOUND, f"volume {volume_id} does not exist")
+            raise FeosError(Code.NOT_FOUND, f"volume {call.id} does not exist")
         return {"volume": answer}
 
     @on_rpc_thread
-    def list_volumes(self, params: dict[str, Any]) -> dict[str, Any]:
+    @takes(NoParams)
+    def list_volumes(self, call: NoParams) -> dict[str, Any]:
         return {"volumes": list(self._answers.values())}
 
-    async def delete_volume(self, params: dict[str, Any]) -> dict[str, Any]:
-        volume_id = check_volume_id(params.get("id", ""))
+    @takes(VolumeId)
+    async def delete_volume(self, call: VolumeId) -> dict[str, Any]:
+        volume_id = call.id
         async with self.store.lock:
             volume = self._get(volume_id)
             if volume.pod_id:
@@ -168,10 +214,7 @@ class VolumeService:
                     f"volume {volume_id} is {volume.state} to pod {volume.pod_id}",
                 )
             await self.store.remove(volume_id)
-            self._answers = {k: v for k, v in self._answers.items() if k != volume_id}
         path = self.disk_path(volume_id)
-        import trio
-
         await trio.to_thread.run_sync(lambda: path.unlink(missing_ok=True))
         return {}
 

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
+import pytest
 import trio
 import trio.lowlevel
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from feos import _schema
-from feos.records import RecordDir, write_whole
+from feos._store import Store
+from feos.errors import Code, FeosError
+from feos.records import RecordDir, is_directory_fd, write_whole
 
 labels = st.lists(
     st.fixed_dictionaries({"key": st.text(min_size=1, max_size=20), "value": st.text(max_size=40)}),
@@ -95,3 +103,179 @@ def test_a_failed_write_leaves_the_old_record(tmp_path: Path) -> None:
     finally:
         os.chmod(tmp_path, 0o700)
     assert path.read_bytes() == b"old"
+
+
+# -- group commit, order, deadlines, crash safety ------------------------------------------------
+
+
+class _Disk:
+    """An instrumented fsync: logs what it syncs, and can hold the writer until released."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.hold = threading.Event()
+        self.hold.set()
+        self.entered = threading.Event()
+
+    def fsync(self, fd: int) -> None:
+        self.entered.set()
+        self.hold.wait()
+        self.log.append("dir" if is_directory_fd(fd) else "file")
+        os.fsync(fd)
+
+    async def held(self) -> None:
+        """Hold the writer in its next sync, and wait until it is there."""
+        self.entered.clear()
+        self.hold.clear()
+        await trio.to_thread.run_sync(self.entered.wait)
+
+
+async def test_records_written_together_share_one_directory_sync(tmp_path: Path) -> None:
+    disk = _Disk()
+    records = RecordDir(tmp_path, _schema.volume().Volume, fsync=disk.fsync)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(records.put, "first", {"id": "first"})
+            await disk.held()
+            for n in range(5):  # queued while the writer syncs the first
+                nursery.start_soon(records.put, f"v{n}", {"id": f"v{n}"})
+            await trio.testing.wait_all_tasks_blocked()
+            disk.hold.set()
+        assert disk.log.count("file") == 6
+        assert disk.log.count("dir") == 2  # one for the first, one for the five behind it
+        assert set(records.load()) == {"first", "v0", "v1", "v2", "v3", "v4"}
+    finally:
+        disk.hold.set()
+        records.close()
+
+
+async def test_one_records_changes_in_one_group_land_in_their_order(tmp_path: Path) -> None:
+    disk = _Disk()
+    records = RecordDir(tmp_path, _schema.volume().Volume, fsync=disk.fsync)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(records.put, "hold", {"id": "hold"})
+            await disk.held()
+            changes = [
+                records.put("a", {"id": "a", "sizeBytes": 1}),
+                records.put("a", {"id": "a", "sizeBytes": 2}),
+                records.remove("a"),
+                records.put("a", {"id": "a", "sizeBytes": 3}),
+                records.put("b", {"id": "b"}),
+                records.remove("b"),
+            ]
+            for change in changes:  # each queues its change before its first checkpoint
+                nursery.start_soon(lambda c=change: c)
+                await trio.testing.wait_all_tasks_blocked()
+            disk.hold.set()
+        loaded = records.load()
+        assert set(loaded) == {"hold", "a"}
+        assert loaded["a"]["sizeBytes"] == 3
+        assert disk.log.count("dir") <= 2
+    finally:
+        disk.hold.set()
+        records.close()
+
+
+async def test_an_acknowledged_record_was_synced_renamed_and_its_directory_synced(
+    tmp_path: Path,
+) -> None:
+    events: list[str] = []
+
+    def fsync(fd: int) -> None:
+        os.fsync(fd)
+        names = sorted(p.name for p in tmp_path.iterdir())
+        events.append(f"{'dir' if is_directory_fd(fd) else 'file'} {names}")
+
+    records = RecordDir(tmp_path, _schema.volume().Volume, fsync=fsync)
+    try:
+        await records.put("r", {"id": "r"})
+        events.append("ack")
+    finally:
+        records.close()
+    # the temporary file synced, then renamed (only r.pb left), then the directory synced
+    assert events[0].startswith("file ['.r.pb.")
+    assert events[1:] == ["dir ['r.pb']", "ack"]
+
+
+async def test_a_write_not_kept_in_time_fails_naming_the_record(tmp_path: Path) -> None:
+    disk = _Disk()
+    records = RecordDir(tmp_path, _schema.volume().Volume, fsync=disk.fsync)
+    try:
+        async with trio.open_nursery() as nursery:
+            # the disk is held until the late write has failed: no race on the clock
+            nursery.start_soon(functools.partial(records.put, "stuck", {"id": "stuck"}, within=600))
+            await disk.held()
+            with pytest.raises(FeosError) as caught:
+                await records.put("late", {"id": "late"}, within=0.05)
+            assert caught.value.code == Code.DEADLINE_EXCEEDED
+            assert "late.pb" in caught.value.message
+            disk.hold.set()
+        assert set(records.load()) == {"stuck"}  # the writer skips what its caller gave up
+    finally:
+        disk.hold.set()
+        records.close()
+
+
+async def test_a_cancelled_caller_still_sees_its_write_through(tmp_path: Path) -> None:
+    disk = _Disk()
+    records = RecordDir(tmp_path, _schema.volume().Volume, fsync=disk.fsync)
+    store: Store[str] = Store(records, lambda v: {"id": v}, lambda d: d["id"])
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(store.put, "hold", "hold")
+            await disk.held()
+            async def release() -> None:
+                await trio.testing.wait_all_tasks_blocked()
+                disk.hold.set()
+
+            with trio.CancelScope() as scope:
+                scope.cancel()  # the caller goes before its write is kept
+                nursery.start_soon(release)
+                await store.put("x", "x")
+        assert store.get("x") == "x"
+        assert "x" in records.load()
+    finally:
+        disk.hold.set()
+        records.close()
+
+
+CRASHER = """
+import sys, trio
+from pathlib import Path
+from feos import _schema
+from feos.records import RecordDir
+
+async def main():
+    records = RecordDir(Path(sys.argv[1]), _schema.volume().Volume)
+    async def one(n):
+        await records.put(f"v{n}", {"id": f"v{n}", "sizeBytes": n})
+        print(n, flush=True)
+    async def worker(first):
+        for n in range(first, 10**6, 20):
+            await one(n)
+    async with trio.open_nursery() as nursery:
+        for first in range(20):  # twenty writers at once, so that groups form
+            nursery.start_soon(worker, first)
+trio.run(main)
+"""
+
+
+def test_a_record_acknowledged_is_on_disk_when_the_process_is_killed(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CRASHER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        acknowledged = [int(proc.stdout.readline()) for _ in range(200)]
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+    records = RecordDir(tmp_path, _schema.volume().Volume)
+    try:
+        loaded = records.load()
+    finally:
+        records.close()
+    for n in acknowledged:
+        assert loaded[f"v{n}"]["sizeBytes"] == n

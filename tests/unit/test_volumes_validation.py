@@ -6,11 +6,21 @@ import uuid
 from pathlib import Path
 
 import pytest
+import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from feos._codec import structure_params
 from feos.errors import Code, FeosError
-from feos.pods._volumes import MIB, VolumeService, check_labels, check_size, check_volume_id
+from feos.pods._volumes import (
+    MIB,
+    CreateVolume,
+    Label,
+    VolumeService,
+    check_labels,
+    check_size,
+    check_volume_id,
+)
 
 
 @given(st.uuids())
@@ -44,12 +54,54 @@ def test_sizes_are_whole_mib_from_64_mib_to_16_tib(size: int) -> None:
 
 
 def test_labels_are_sorted_and_checked() -> None:
-    assert check_labels([{"key": "b", "value": "2"}, {"key": "a", "value": "1"}]) == (
-        ("a", "1"), ("b", "2"))
+    assert check_labels([Label("b", "2"), Label("a", "1")]) == (("a", "1"), ("b", "2"))
     with pytest.raises(FeosError, match=r"labels\[1\].key: a is given twice"):
-        check_labels([{"key": "a"}, {"key": "a"}])
+        check_labels([Label("a"), Label("a")])
     with pytest.raises(FeosError, match=r"labels\[0\].value"):
-        check_labels([{"key": "a", "value": "x" * 257}])
+        check_labels([Label("a", "x" * 257)])
+
+
+VOLUME_ID = "0b7e5a52-3c47-4d1c-9a1e-1f0e6e0b6f3a"
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"id": "nope", "sizeBytes": 64 * MIB}, "id: must be a lowercase UUID"),
+        ({"id": VOLUME_ID, "sizeBytes": "64"}, "sizeBytes: invalid value for type"),
+        ({"id": VOLUME_ID, "sizeBytes": 1}, "sizeBytes: must be from 64 MiB"),
+        ({"id": VOLUME_ID, "sizeBytes": 64 * MIB, "labels": [{"key": "a"}, {"key": 3}]},
+         r"labels\[1\]\.key: invalid value for type"),
+        ({"id": VOLUME_ID, "sizeBytes": 64 * MIB, "labels": [{"key": "a"}, {"key": "a"}]},
+         r"labels\[1\]\.key: a is given twice"),
+    ],
+)
+def test_create_volume_params_are_structured_and_checked_once_at_the_edge(
+    params: dict[str, object], message: str
+) -> None:
+    with pytest.raises(FeosError, match=f"^INVALID_ARGUMENT: {message}") as caught:
+        structure_params(params, CreateVolume)
+    assert caught.value.code is Code.INVALID_ARGUMENT
+    call = structure_params({"id": VOLUME_ID, "sizeBytes": 64 * MIB,
+                             "labels": [{"key": "b"}, {"key": "a", "value": "1"}]}, CreateVolume)
+    assert call.label_pairs() == (("a", "1"), ("b", ""))
+
+
+async def test_the_same_volume_created_at_once_is_kept_once(tmp_path: Path) -> None:
+    service = VolumeService(tmp_path)
+    service.load()
+    try:
+        async with trio.open_nursery() as nursery:
+            for _ in range(5):
+                nursery.start_soon(service.create_volume, {"id": VOLUME_ID, "sizeBytes": 64 * MIB})
+        assert [v.id for v in service.store] == [VOLUME_ID]
+        answer = service.get_volume({"id": VOLUME_ID})["volume"]
+        assert answer.sizeBytes == 64 * MIB
+        with pytest.raises(FeosError) as caught:
+            await service.create_volume({"id": VOLUME_ID, "sizeBytes": 128 * MIB})
+        assert caught.value.code is Code.ALREADY_EXISTS
+    finally:
+        service.close()
 
 
 async def test_claims_are_all_or_none(tmp_path: Path) -> None:
