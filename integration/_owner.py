@@ -13,9 +13,11 @@ the speed of the next benchmarks and meet the next tests' names. So:
   the owner kills whole at the end, and with PR_SET_PDEATHSIG (`setpriv --pdeathsig KILL`), so a
   harness killed by SIGKILL still takes its direct children along. The death signal follows the
   thread that forked, so it is set only for helpers started from the main thread.
-- `OWNER.netns(name)`, `OWNER.directory(path)` and `OWNER.state_dir(path)` register a namespace
-  to delete, a directory to remove, and a feosd state directory whose microVMs to kill: feosd's
-  QEMU processes outlive feosd by design (a session of their own), so ending feosd is not enough.
+- `OWNER.netns(name)`, `OWNER.directory(path)`, `OWNER.state_dir(path)` and `OWNER.process(pid)`
+  register a namespace to delete, a directory to remove, a feosd state directory whose microVMs
+  to kill (feosd's QEMU processes outlive feosd by design, a session of their own, so ending
+  feosd is not enough) and a process started otherwise. `OWNER.done(x)` undoes one of them now,
+  `OWNER.forget(x)` drops one that its harness ended itself.
 - `OWNER.close()` undoes everything in the reverse order it was made; it runs at exit (atexit)
   for whatever a harness did not end itself, and is idempotent.
 """
@@ -133,8 +135,13 @@ class Owner:
 
     def state_dir(self, path: Path) -> Path:
         """A feosd state directory: its microVMs' QEMUs are killed at the close."""
-        self._add(("state", path), lambda: _end_microvms(path))
+        self._add(path, lambda: _end_microvms(path))
         return path
+
+    def process(self, pid: int) -> int:
+        """A process started otherwise (posix_spawn, a daemon): killed at the close."""
+        self._add(pid, lambda: kill_and_wait(pid))
+        return pid
 
     def forget(self, what: object) -> None:
         """A harness ended it itself: nothing left to undo."""

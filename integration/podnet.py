@@ -253,8 +253,8 @@ class PodNet:
             kill_and_wait(pid)
         if self.node_ns in self._made:
             # whatever feosd left running in its namespace (all of it its children)
-            for pid in sh("ip", "netns", "pids", self.node_ns, check=False).split():
-                kill_and_wait(int(pid))
+            for left in sh("ip", "netns", "pids", self.node_ns, check=False).split():
+                kill_and_wait(int(left))
         for proc in self._procs:
             end_group(proc)
             OWNER.forget(proc)
