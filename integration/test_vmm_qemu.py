@@ -100,7 +100,7 @@ def _kill_all(state: Path) -> None:
 
 
 @pytest.fixture
-async def vms(env: Env) -> AsyncIterator[MicroVms]:
+async def vms(env: Env, prepared: None) -> AsyncIterator[MicroVms]:
     async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as inner:
         service = await inner.start(env.service(bridge).run)
         yield service
@@ -130,19 +130,18 @@ async def _prepare(env: Env, wanted: dict[str, VmState]) -> None:
         n.cancel_scope.cancel()
 
 
-@pytest.fixture
-async def a_running(env: Env) -> None:
-    await _prepare(env, {A: VmState.RUNNING})
+def guests(wanted: dict[str, VmState]) -> pytest.MarkDecorator:
+    """The states of the module's guests a test needs (the fixture `prepared` makes them)."""
+    return pytest.mark.guests(wanted)
 
 
 @pytest.fixture
-async def a_and_b_running(env: Env) -> None:
-    await _prepare(env, {A: VmState.RUNNING, B: VmState.RUNNING})
-
-
-@pytest.fixture
-async def a_stopped(env: Env) -> None:
-    await _prepare(env, {A: VmState.STOPPED})
+async def prepared(env: Env, request: pytest.FixtureRequest) -> None:
+    """The guests the test's `guests` mark asks for, before its own service starts: `vms`
+    depends on this fixture, as pytest-trio sets independent async fixtures up concurrently."""
+    mark = request.node.get_closest_marker("guests")
+    if mark is not None:
+        await _prepare(env, mark.args[0])
 
 
 async def _events(recv: trio.MemoryReceiveChannel[object], within: float = 0.2) -> list[object]:
@@ -190,9 +189,8 @@ async def test_create_start_attach_and_clock(env: Env, vms: MicroVms) -> None:
     assert {e.id for e in got if isinstance(e, GuestAttached)} == {A, B}  # type: ignore[attr-defined]
 
 
-async def test_suspend_keeps_the_guest_and_resume_brings_it_back(
-    env: Env, a_running: None, vms: MicroVms
-) -> None:
+@guests({A: VmState.RUNNING})
+async def test_suspend_keeps_the_guest_and_resume_brings_it_back(env: Env, vms: MicroVms) -> None:
     assert vms.get(A).state is VmState.RUNNING  # taken over from the fixture's service
     guest = await vms.guest(A)
     ping = await guest.ping()
@@ -241,9 +239,8 @@ async def test_suspend_keeps_the_guest_and_resume_brings_it_back(
     assert (await vms.guest(A)).client is guest.client
 
 
-async def test_the_guest_comes_back_after_the_link_drops(
-    env: Env, a_running: None, vms: MicroVms
-) -> None:
+@guests({A: VmState.RUNNING})
+async def test_the_guest_comes_back_after_the_link_drops(env: Env, vms: MicroVms) -> None:
     """The node's end of the link closes (as when feosd dies): the agent notices, and the
     link's next dial gets a new session of the same boot."""
     guest = await vms.guest(A)
@@ -258,7 +255,8 @@ async def test_the_guest_comes_back_after_the_link_drops(
     assert (await again.ping()).boot_id == before.boot_id
 
 
-async def test_takeover_after_kill_9(env: Env, a_and_b_running: None) -> None:
+@guests({A: VmState.RUNNING, B: VmState.RUNNING})
+async def test_takeover_after_kill_9(env: Env, prepared: None) -> None:
     """A service in a process of its own suspends B, and dies by SIGKILL; a new one finds A
     running (the same QEMU) and B suspended, and resumes B."""
     pid_a = env.pid(A)
@@ -301,8 +299,9 @@ trio.run(main)
         n.cancel_scope.cancel()
 
 
+@guests({B: VmState.RUNNING})
 async def test_late_snapshot_is_busy_across_a_restart_then_runs_again(
-    env: Env, a_and_b_running: None
+    env: Env, prepared: None
 ) -> None:
     """A snapshot past its timeout: busy, refused, the marker kept across a restart of the
     service, and once QEMU is done the VM runs again with the snapshot discarded."""
@@ -337,9 +336,8 @@ async def test_late_snapshot_is_busy_across_a_restart_then_runs_again(
         n.cancel_scope.cancel()
 
 
-async def test_shutdown_is_stopped_and_a_killed_qemu_crashed(
-    env: Env, a_and_b_running: None, vms: MicroVms
-) -> None:
+@guests({A: VmState.RUNNING, B: VmState.RUNNING})
+async def test_shutdown_is_stopped_and_a_killed_qemu_crashed(env: Env, vms: MicroVms) -> None:
     events = vms.subscribe()
     info = await vms.shutdown(A)
     assert info.state is VmState.STOPPED
@@ -353,7 +351,8 @@ async def test_shutdown_is_stopped_and_a_killed_qemu_crashed(
     assert Crashed(B, "QEMU was killed by signal 9") in got
 
 
-async def test_a_qmp_that_does_not_answer_after_a_restart(env: Env, a_stopped: None) -> None:
+@guests({A: VmState.STOPPED})
+async def test_a_qmp_that_does_not_answer_after_a_restart(env: Env, prepared: None) -> None:
     async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as n:
         vms = await n.start(env.service(bridge).run)
         await vms.start(A)  # a stopped VM boots again
@@ -383,7 +382,8 @@ async def test_a_guest_that_never_attaches(env: Env) -> None:
         n.cancel_scope.cancel()
 
 
-async def test_delete_removes_everything(env: Env, a_running: None, vms: MicroVms) -> None:
+@guests({A: VmState.RUNNING})
+async def test_delete_removes_everything(env: Env, vms: MicroVms) -> None:
     disk = Path(env.disk(A))
     for vm_id in [v.id for v in vms.list()]:
         await vms.delete(vm_id)
