@@ -109,7 +109,8 @@ async def vms(env: Env, prepared: None) -> AsyncIterator[MicroVms]:
 
 async def _prepare(env: Env, wanted: dict[str, VmState]) -> None:
     """The module's guests as a test needs them, whatever the tests before it left (each test
-    passes alone): made and started, resumed, or shut down; by a service of its own that lets
+    passes alone): made and started, resumed, or shut down (STOPPED: any state that is not
+    running, created included, as `start` boots each alike); by a service of its own that lets
     go of them at its end, for the test's own service (or its takeover) to find."""
     async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as n:
         vms = await n.start(env.service(bridge).run)
@@ -122,11 +123,12 @@ async def _prepare(env: Env, wanted: dict[str, VmState]) -> None:
                 info = await vms.create(vm_id, env.spec(vm_id))
             if info.state is VmState.SUSPENDED:
                 await vms.resume(vm_id)
-            elif info.state in (VmState.CREATED, VmState.STOPPED, VmState.CRASHED):
+            down = (VmState.CREATED, VmState.STOPPED, VmState.CRASHED)
+            if state is VmState.RUNNING and vms.get(vm_id).state in down:
                 await vms.start(vm_id)
-            if state is VmState.STOPPED:
+            if state is VmState.STOPPED and vms.get(vm_id).state is VmState.RUNNING:
                 await vms.shutdown(vm_id)
-            assert vms.get(vm_id).state is state
+            assert vms.get(vm_id).state in ((state,) if state is VmState.RUNNING else down)
         n.cancel_scope.cancel()
 
 
