@@ -24,6 +24,10 @@ import capnp
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "integration"))
+
+import _owner  # noqa: E402
+from _owner import OWNER  # noqa: E402
 
 from feos.rpc._client import Client  # noqa: E402
 
@@ -116,12 +120,12 @@ async def main() -> None:
         tmpdir = Path(tmp)
         echo_path = tmpdir / "echo.sock"
         # the two servers start before any clock runs: their Popen blocks nothing that is timed
-        echo = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, str(echo_path)],  # noqa: ASYNC220
-                                stdout=subprocess.PIPE)
-        feosd = subprocess.Popen(  # noqa: ASYNC220
+        # _owner ends both (their process groups) also when the run fails or is killed
+        echo = OWNER.popen([sys.executable, "-c", ECHO_SERVER, str(echo_path)],
+                           stdout=subprocess.PIPE)
+        feosd = OWNER.popen(
             [str(Path(sys.executable).parent / "feosd"), "--state-dir", str(tmpdir / "state"),
-             "--run-dir", str(tmpdir / "run"), "--log-level", "WARNING"],
-            start_new_session=True)
+             "--run-dir", str(tmpdir / "run"), "--log-level", "WARNING"])
         try:
             wait_for(echo_path, echo)
             wait_for(tmpdir / "run" / "api.sock", feosd)
@@ -144,6 +148,7 @@ async def main() -> None:
             echo.terminate()
             feosd.wait(30)
             echo.wait(30)
+            OWNER.close()
     get_ratio = results[10000][0] / limit_median
     print(f"ratio GetVolume at 10000 volumes / raw capnp echo: {get_ratio:.2f} (target < 2)")
     print(f"ratio ListVolumes at 10000 volumes / 50 ms limit: {results[10000][1] / 0.050:.2f} "
@@ -152,4 +157,4 @@ async def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    asyncio.run(capnp.run(main()))
+    sys.exit(_owner.main(lambda: asyncio.run(capnp.run(main()))))

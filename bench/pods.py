@@ -48,6 +48,8 @@ import trio
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "integration"))
 
+import _owner  # noqa: E402
+from _owner import OWNER  # noqa: E402
 from podnet import BIN, IMAGE, PodNet  # noqa: E402
 
 from feos.pods._disks import ensure_pod_disk  # noqa: E402
@@ -248,15 +250,19 @@ def main() -> int:
     keep = os.environ.get("FEOS_BENCH_KEEP") == "1"  # the node's and guests' logs stay, to read
     with _kept_dir(keep) as tmp:
         root = Path(tmp)
-        with PodNet(root / "net") as net:
-            info = json.loads(net.ctl("--json", "host", "info").stdout)
-            accel = info.get("version", {}).get("accel", "?")
-            print(f"accelerator {accel}", flush=True)
-            trio.run(bench, net, root, args.runs, args.ten_runs)
+        bare = OWNER.state_dir(root / "bare" / "state")  # the floor's microVMs outlive MicroVms
+        try:
+            with PodNet(root / "net") as net:
+                info = json.loads(net.ctl("--json", "host", "info").stdout)
+                accel = info.get("version", {}).get("accel", "?")
+                print(f"accelerator {accel}", flush=True)
+                trio.run(bench, net, root, args.runs, args.ten_runs)
+        finally:
+            OWNER.done(bare)  # before the directory goes
     return 0
 
 
 if __name__ == "__main__":
     if os.geteuid() != 0:
         sys.exit("bench/pods.py: run it as root (namespaces, QEMU confined as feosd runs it)")
-    sys.exit(main())
+    sys.exit(_owner.main(main))  # a SIGTERM (timeout's) ends it with its cleanups

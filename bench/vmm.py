@@ -32,6 +32,10 @@ from typing import Any
 
 import trio
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))
+import _owner
+from _owner import OWNER
+
 import feos.rpc
 from feos.vmm._driver import VmHandle, VmSpec
 from feos.vmm._guestlink import connect_poking
@@ -110,7 +114,7 @@ async def native(root: Path, bridge: Any, gdir: Path) -> dict[str, list[float]]:
     d = vm.directory
     argv = [a for a in __import__("json").loads((d / "config").read_text())]
     snap = d / "native.mig"
-    pid = await trio.to_thread.run_sync(_spawn, argv, d, None)
+    pid = OWNER.process(await trio.to_thread.run_sync(_spawn, argv, d, None))
     qmp = await _qmp(d / "qmp.sock", pid)
     client = await bridge.call(connect_poking, str(d / "guest.sock"), 60.0)
     await bridge.call(client.ping)
@@ -129,7 +133,8 @@ async def native(root: Path, bridge: Any, gdir: Path) -> dict[str, list[float]]:
         qmp.close()
         start = time.perf_counter()
         incoming = [*argv, "-incoming", f"exec:cat {shlex.quote(str(snap))}"]
-        pid = await trio.to_thread.run_sync(_spawn, incoming, d, None)
+        OWNER.forget(pid)
+        pid = OWNER.process(await trio.to_thread.run_sync(_spawn, incoming, d, None))
         qmp = await _qmp(d / "qmp.sock", pid)
         # The stream keeps the source's run state (stopped first): it loads paused, then cont.
         await _until(qmp, "query-status", "status", {"paused", "running"})
@@ -138,6 +143,7 @@ async def native(root: Path, bridge: Any, gdir: Path) -> dict[str, list[float]]:
     await qmp.execute("quit")
     qmp.close()
     await trio.to_thread.run_sync(os.waitpid, pid, 0)
+    OWNER.forget(pid)
     return out
 
 
@@ -156,11 +162,16 @@ async def main() -> None:
         logging.getLogger("feos.vmm").addHandler(handler)
         logging.getLogger("feos.vmm").setLevel(logging.DEBUG)
     version, gdir = newest_guest(guest_root())
-    with tempfile.TemporaryDirectory(prefix="feos-bench-vmm-", dir="/var/tmp") as tmp:
-        root = Path(tmp)
+    # Its QEMUs (they outlive their driver by design) end before the directory goes, also when
+    # the run fails or is killed by SIGTERM (_owner).
+    root = OWNER.directory(Path(tempfile.mkdtemp(prefix="feos-bench-vmm-", dir="/var/tmp")))
+    OWNER.state_dir(root / "state")
+    try:
         async with feos.rpc.capnp_thread() as bridge:
             o = await ours(root, bridge, gdir)
             q = await native(root, bridge, gdir)
+    finally:
+        OWNER.close()
     print(f"guest {version}, 512 MiB, 1 vCPU, TCG, median of {RUNS}")
     s = _line("suspend (feosd)", o["suspend"])
     qs = _line("stop + migrate + quit (QEMU)", q["suspend"])
@@ -174,4 +185,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    trio.run(main)
+    sys.exit(_owner.main(lambda: trio.run(main)))

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from _owner import OWNER, end_group
 from podnet import PodNet, sh
 
 INTERNET_V4 = "198.51.100.80"
@@ -50,10 +51,10 @@ class Internet:
         site.mkdir(parents=True, exist_ok=True)
         (site / "index.html").write_text("hello from the internet\n")
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
+            self.proc = OWNER.popen(
                 self.net.in_inet(sys.executable, "-u", "-m", "http.server", "--bind", "0.0.0.0",
                                  "--directory", str(site), str(INTERNET_PORT)),
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                stdout=log, stderr=subprocess.STDOUT)
         for address in (INTERNET_V4, DENIED_V4):
             self._wait(address)
         return self
@@ -80,13 +81,9 @@ class Internet:
                 if '"GET ' in line]
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            end_group(self.proc)
+            OWNER.forget(self.proc)
 
 
 class TrafficWatch:

@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from _owner import exit_on_sigterm
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A run ended by SIGTERM (timeout, CI) tears its fixtures down as after Ctrl-C: their
+    # namespaces, feosd processes and microVMs go; _owner's atexit ends what is left.
+    exit_on_sigterm()
+    config.addinivalue_line("markers", "guests(wanted): the module's guests a test needs, "
+                            "by ID and state (test_vmm_qemu's fixture `prepared` makes them)")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -3,7 +3,8 @@
 `Feosd(tmp_path).start()` runs `.venv/bin/feosd` with its state and run directories under
 tmp_path and waits for its socket; `ctl(...)` runs feosctl against it and returns the completed
 process; `stop()` sends SIGTERM (and kill -9 after a timeout), `kill()` kill -9. Every process it
-started is ended when the test ends.
+started is ended when the test ends, and at the latest when the run ends (integration/_owner.py:
+feosd and the QEMUs of its state directory, also after a SIGTERM of the run).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from _owner import OWNER
 
 BIN = Path(sys.executable).parent
 
@@ -31,6 +34,7 @@ class Feosd:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = root / "feosd.log"
         self.program = [str(BIN / "feosd")]
+        OWNER.state_dir(self.state_dir)  # its microVMs end with the test run at the latest
 
     def command(self) -> list[str]:
         return [*self.program, "--state-dir", str(self.state_dir), "--run-dir", str(self.run_dir),
@@ -40,9 +44,8 @@ class Feosd:
         """Start the process without waiting for it to serve."""
         self.root.mkdir(parents=True, exist_ok=True)
         log = open(self.log, "ab")
-        self.proc = subprocess.Popen([*(prefix or []), *self.command()], stdout=log,
-                                     stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
+        self.proc = OWNER.popen([*(prefix or []), *self.command()], stdout=log,
+                                stderr=subprocess.STDOUT, env=self.env)
         log.close()
         return self.proc
 
@@ -100,6 +103,22 @@ class Feosd:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+def running_pod(node: Any, pod_id: str, *create: str) -> dict[str, Any]:
+    """Pod `pod_id` running, whatever an earlier test of the module left of it: made with
+    `create` (feosctl pod create's arguments) if there is none, resumed if suspended, started
+    if stopped. Tests share a module's microVMs to stay fast, and each still passes alone."""
+    got = node.ctl("--json", "pod", "get", pod_id, check=False)
+    if got.returncode == 15:  # NOT_FOUND
+        return dict(node.ctl_json("pod", "create", pod_id, "--wait", *create))
+    pod = json.loads(got.stdout)
+    if pod["state"] == "suspended":
+        pod = node.ctl_json("pod", "resume", pod_id)
+    elif pod["state"] == "stopped":
+        pod = node.ctl_json("pod", "start", pod_id, "--wait")
+    assert pod["state"] == "running", pod
+    return dict(pod)
 
 
 def end_microvms(state_dir: Path) -> None:

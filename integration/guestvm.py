@@ -48,6 +48,7 @@ from pathlib import Path
 from types import TracebackType
 
 import attrs
+from _owner import OWNER
 
 from feos.vmm._qemu_argv import Drive, QemuConfig, Tap, host_tsc_khz, kernel_cmdline, qemu_argv
 
@@ -100,8 +101,8 @@ class GuestVM:
         self.deadline_s = timeout
         self._stderr = (workdir / "qemu.log").open("wb")
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(qemu_argv(config), stdin=subprocess.DEVNULL,
-                                     stdout=self._stderr, stderr=self._stderr)  # fmt: skip
+        self.proc = OWNER.popen(qemu_argv(config), stdin=subprocess.DEVNULL,
+                                stdout=self._stderr, stderr=self._stderr)  # fmt: skip
 
     @classmethod
     def boot(
@@ -150,6 +151,7 @@ class GuestVM:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        OWNER.forget(self.proc)
         self._stderr.close()
 
     def console(self) -> str:

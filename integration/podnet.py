@@ -46,9 +46,7 @@ registry and dnsmasq, and deletes both namespaces (their veth and TAPs go with t
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -56,6 +54,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from _owner import OWNER, end_group, kill_and_wait
+from _owner import qemu_pids as qemu_pids
 from feosd_proc import BIN, Feosd
 
 REPO = Path(__file__).resolve().parent.parent
@@ -84,20 +84,6 @@ def install_guest() -> None:
     """The guest image of this tree (built only if its inputs changed; a second is reused)."""
     subprocess.run([str(REPO / "hack/guest-image")], check=True, stdout=subprocess.DEVNULL,
                    timeout=1200)
-
-
-def qemu_pids(state_dir: Path) -> dict[str, int]:
-    """The live QEMU processes of a state directory, by microVM ID (from their qemu.pid)."""
-    found = {}
-    for pidfile in state_dir.glob("vms/qemu/*/qemu.pid"):
-        try:
-            pid = int(pidfile.read_text().split()[0])
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except (ValueError, IndexError, OSError):
-            continue
-        if b"qemu-system" in cmdline and pidfile.parent.name.encode() in cmdline:
-            found[pidfile.parent.name] = pid
-    return found
 
 
 class PodNet:
@@ -137,7 +123,7 @@ class PodNet:
 
     def _namespaces(self) -> None:
         for ns in (self.node_ns, self.inet_ns):
-            sh("ip", "netns", "add", ns)
+            OWNER.netns(ns)
             self._made.append(ns)
             sh("ip", "-n", ns, "link", "set", "lo", "up")
         node, inet = ("ip", "-n", self.node_ns), ("ip", "-n", self.inet_ns)
@@ -185,8 +171,7 @@ class PodNet:
 
     def _spawn(self, argv: list[str], log_name: str) -> subprocess.Popen[bytes]:
         with open(self.root / log_name, "ab") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = OWNER.popen(argv, stdout=log, stderr=subprocess.STDOUT)
         self._procs.append(proc)
         return proc
 
@@ -265,22 +250,17 @@ class PodNet:
     def close(self) -> None:
         self.feosd.kill()
         for pid in qemu_pids(self.feosd.state_dir).values():
-            _kill(pid)
+            kill_and_wait(pid)
         if self.node_ns in self._made:
             # whatever feosd left running in its namespace (all of it its children)
-            for pid in sh("ip", "netns", "pids", self.node_ns, check=False).split():
-                _kill(int(pid))
+            for left in sh("ip", "netns", "pids", self.node_ns, check=False).split():
+                kill_and_wait(int(left))
         for proc in self._procs:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            end_group(proc)
+            OWNER.forget(proc)
         self._procs.clear()
         for ns in reversed(self._made):
-            sh("ip", "netns", "delete", ns, check=False)
+            OWNER.done(ns)
         self._made.clear()
 
     def __enter__(self) -> PodNet:
@@ -290,17 +270,3 @@ class PodNet:
                  tb: TracebackType | None) -> None:
         self.close()
 
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z"):
-                return  # a zombie: its parent (gone) or init reaps it
-        except (OSError, IndexError):
-            return
-        time.sleep(0.05)

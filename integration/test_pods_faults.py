@@ -1,8 +1,9 @@
 """Pods through faults: callers that go away, kill -9 of feosd, a stop that suspends, races.
 
-One node for the module (podnet.PodNet, feosd with --suspend-on-stop); the tests run in order.
-Pod F1 runs a shell that holds a token and a counter in its memory through every test; F2 and
-F3 are cut off in their bring-up by a kill -9 of feosd. Three guest boots in all.
+One node for the module (podnet.PodNet, feosd with --suspend-on-stop). Pod F1 runs a shell that
+holds a token and a counter in its memory; the tests share it (the fixture f1 makes it, or
+brings it back to running, for each test that needs it, so each also passes alone); F2 and F3
+are cut off in their bring-up by a kill -9 of feosd. Three guest boots in all, in order.
 
 After each kill -9 a new feosd takes the node over: a pod ends in the state the calls it
 answered imply, and a pod that is gone leaves no microVM, disk, TAP or record behind.
@@ -15,6 +16,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from feosd_proc import running_pod
 from podnet import IMAGE, PodNet
 
 F1, F2, F3 = "fa0000000aa", "fb0000000bb", "fc0000000cc"
@@ -28,6 +30,13 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodNet]:
     with PodNet(tmp_path_factory.mktemp("podfaults"), "--suspend-on-stop",
                 "--stop-grace", "120") as node:
         yield node
+
+
+@pytest.fixture
+def f1(net: PodNet) -> str:
+    """F1 running its shell, made by the first test that needs it."""
+    running_pod(net, F1, *CREATE)
+    return F1
 
 
 def token_and_count(net: PodNet, pod_id: str) -> tuple[str, int]:
@@ -71,7 +80,7 @@ def test_a_caller_that_goes_away_mid_create_leaves_the_bring_up_going(net: PodNe
     assert net.exec(F1, "echo", "hi").stdout == "hi\n"
 
 
-def test_running_microvms_are_taken_over_across_a_kill_9(net: PodNet) -> None:
+def test_running_microvms_are_taken_over_across_a_kill_9(net: PodNet, f1: str) -> None:
     pid = net.qemus()[F1]
     token, before = token_and_count(net, F1)
     net.kill_feosd()
@@ -97,7 +106,7 @@ def test_a_bring_up_cut_by_a_kill_9_goes_on_in_the_next_feosd(net: PodNet) -> No
     assert_gone(net, F2)
 
 
-def test_a_pod_deleted_after_a_cut_bring_up_leaves_nothing(net: PodNet) -> None:
+def test_a_pod_deleted_after_a_cut_bring_up_leaves_nothing(net: PodNet, f1: str) -> None:
     net.ctl("pod", "create", F3, *CREATE)
     wait_for("F3's microVM", lambda: F3 in net.qemus())
     net.kill_feosd()
@@ -107,7 +116,7 @@ def test_a_pod_deleted_after_a_cut_bring_up_leaves_nothing(net: PodNet) -> None:
     assert net.ctl_json("pod", "get", F1)["state"] == "running"
 
 
-def test_a_kill_9_mid_suspend_leaves_the_pod_as_its_microvm_is(net: PodNet) -> None:
+def test_a_kill_9_mid_suspend_leaves_the_pod_as_its_microvm_is(net: PodNet, f1: str) -> None:
     token, _ = token_and_count(net, F1)
     snapshot = net.state_dir / "vms" / "qemu" / F1 / "snapshot"
     caller = net.ctl_popen("pod", "suspend", F1)
@@ -128,7 +137,7 @@ def test_a_kill_9_mid_suspend_leaves_the_pod_as_its_microvm_is(net: PodNet) -> N
     assert token_and_count(net, F1)[0] == token
 
 
-def test_suspend_on_stop_and_the_resume_by_the_next_feosd(net: PodNet) -> None:
+def test_suspend_on_stop_and_the_resume_by_the_next_feosd(net: PodNet, f1: str) -> None:
     token, before = token_and_count(net, F1)
     record = net.state_dir / "suspended-for-stop.json"
     assert net.stop_feosd() == 0  # SIGTERM: the running pods are suspended, then exit 0
@@ -143,7 +152,7 @@ def test_suspend_on_stop_and_the_resume_by_the_next_feosd(net: PodNet) -> None:
     assert after >= before
 
 
-def test_conflicting_calls_on_one_pod_are_serialised(net: PodNet) -> None:
+def test_conflicting_calls_on_one_pod_are_serialised(net: PodNet, f1: str) -> None:
     suspend = net.ctl_popen("--json", "pod", "suspend", F1)
     stop = net.ctl_popen("--json", "pod", "stop", F1)
     (s_out, s_err), (t_out, t_err) = suspend.communicate(120), stop.communicate(120)

@@ -1,6 +1,7 @@
 """Pods without a network, driven with feosctl: the life cycle over real QEMU microVMs.
 
-One feosd for the module; its pods boot the installed guest under TCG. (Pods with containers
+One feosd for the module; its pods boot the installed guest under TCG. The tests share pod A,
+which the fixture pod_a makes (or brings back to running) for each test that needs it. (Pods with containers
 need a registry, and so a network: test_pods_network.py.)
 """
 
@@ -11,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from feosd_proc import Feosd, end_microvms
+from feosd_proc import Feosd, end_microvms, running_pod
 
 VOLUME = "3f0c2a51-6b7e-4d1c-9a8f-2e5d4c3b2a10"
 SPEC = {"network": {"none": None}, "memoryMib": 256,
@@ -35,6 +36,15 @@ def spec_file(node: Feosd, name: str, spec: dict) -> str:  # type: ignore[type-a
     return str(path)
 
 
+@pytest.fixture
+def pod_a(node: Feosd) -> str:
+    """Pod A running on its volume, made by the first test that needs it."""
+    if node.ctl("volume", "get", VOLUME, check=False).returncode == 15:
+        node.ctl("volume", "create", VOLUME, "--size", "256MiB")
+    running_pod(node, "pa00000001a", "-f", spec_file(node, "a", SPEC))
+    return "pa00000001a"
+
+
 def test_create_runs_the_pod_and_mounts_its_volume(node: Feosd) -> None:
     node.ctl("volume", "create", VOLUME, "--size", "256MiB")
     created = node.ctl_json("pod", "create", "pa00000001a", "-f", spec_file(node, "a", SPEC),
@@ -54,7 +64,7 @@ def test_create_runs_the_pod_and_mounts_its_volume(node: Feosd) -> None:
     assert other.returncode == 16
 
 
-def test_a_volume_is_one_pods_at_a_time(node: Feosd) -> None:
+def test_a_volume_is_one_pods_at_a_time(node: Feosd, pod_a: str) -> None:
     taken = node.ctl("pod", "create", "pb00000001a", "-f", spec_file(node, "c", SPEC), check=False)
     assert taken.returncode == 19
     assert "attached to pod pa00000001a" in taken.stderr
@@ -63,7 +73,7 @@ def test_a_volume_is_one_pods_at_a_time(node: Feosd) -> None:
     assert busy.returncode == 19
 
 
-def test_suspend_and_resume(node: Feosd) -> None:
+def test_suspend_and_resume(node: Feosd, pod_a: str) -> None:
     suspended = node.ctl_json("pod", "suspend", "pa00000001a")
     assert suspended["state"] == "suspended"
     memory = next(node.state_dir.glob("vms/qemu/pa00000001a/snapshot/memory"))
@@ -76,7 +86,7 @@ def test_suspend_and_resume(node: Feosd) -> None:
     assert node.ctl_json("pod", "resume", "pa00000001a")["state"] == "running"
 
 
-def test_stop_and_start_on_the_same_disk(node: Feosd) -> None:
+def test_stop_and_start_on_the_same_disk(node: Feosd, pod_a: str) -> None:
     stopped = node.ctl_json("pod", "stop", "pa00000001a")
     assert stopped["state"] == "stopped"
     disk = node.state_dir / "disk" / "pods" / "pa00000001a.img"
@@ -116,7 +126,7 @@ def test_a_network_needs_a_prefix(node: Feosd) -> None:
     assert "pods with a network cannot be made" in done.stderr
 
 
-def test_events_follow_the_changes(node: Feosd) -> None:
+def test_events_follow_the_changes(node: Feosd, pod_a: str) -> None:
     import subprocess
 
     from feosd_proc import BIN
@@ -139,7 +149,7 @@ def test_events_follow_the_changes(node: Feosd) -> None:
             watch.stdout.close()
 
 
-def test_delete_leaves_the_volume_available(node: Feosd) -> None:
+def test_delete_leaves_the_volume_available(node: Feosd, pod_a: str) -> None:
     node.ctl("pod", "delete", "pa00000001a")
     assert node.ctl("pod", "get", "pa00000001a", check=False).returncode == 15
     volume = node.ctl_json("volume", "get", VOLUME)

@@ -1,10 +1,12 @@
 """Pods with a network and containers, as a user runs them: feosctl against feosd, real guests.
 
 One node for the module (podnet.PodNet: feosd in a network namespace of its own, a registry and
-a resolver in another). The tests run in order as one user's session on pod A: create with a
+a resolver in another). In order, the tests are one user's session on pod A: create with a
 container from the registry, exec, logs, the network, suspend and resume, stop and start, delete;
 then pod B on A's volume, two pods that fail (a container that cannot be made, an image that
-does not exist) booted side by side, and one whose command is not in its image. Six boots.
+does not exist) booted side by side, and one whose command is not in its image. Six boots. Each
+test also passes alone: the fixture pod_a makes A (or brings it back to running) for those that
+need it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
+from feosd_proc import running_pod
 from podnet import BAD_USER_IMAGE, IMAGE, IPV4_RANGE, PREFIX, REGISTRY_NAME, REGISTRY_V4, PodNet
 
 VOLUME = "6a1f0c3e-2b4d-4e8f-9a7c-5d3e2f1a0b9c"
@@ -26,10 +29,23 @@ LOOP = ("echo started; t=$(cat /proc/sys/kernel/random/uuid); n=0; "
         "while :; do n=$((n+1)); echo \"$t $n\" > /tmp/n; sleep 0.2; done")
 
 
+CREATE_A = ("--memory", "256MiB", "--volume", f"data={VOLUME}", "--mount", "data:/data",
+            "--image", IMAGE, "--cmd", "/bin/sh", "-c", LOOP)
+
+
 @pytest.fixture(scope="module")
 def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodNet]:
     with PodNet(tmp_path_factory.mktemp("podnet")) as node:
         yield node
+
+
+@pytest.fixture
+def pod_a(net: PodNet) -> str:
+    """Pod A running its shell on the volume, made by the first test that needs it."""
+    if net.ctl("volume", "get", VOLUME, check=False).returncode == 15:
+        net.ctl("volume", "create", VOLUME, "--size", "128MiB")
+    running_pod(net, A, *CREATE_A)
+    return A
 
 
 def token_and_count(net: PodNet, pod_id: str) -> tuple[str, int]:
@@ -43,9 +59,7 @@ def boot_id(net: PodNet, pod_id: str) -> str:
 
 def test_create_with_a_container_from_the_registry(net: PodNet) -> None:
     net.ctl("volume", "create", VOLUME, "--size", "128MiB")
-    pod = net.ctl_json("pod", "create", A, "--wait", "--memory", "256MiB",
-                       "--volume", f"data={VOLUME}", "--mount", "data:/data",
-                       "--image", IMAGE, "--cmd", "/bin/sh", "-c", LOOP)
+    pod = net.ctl_json("pod", "create", A, "--wait", *CREATE_A)
     assert pod["state"] == "running", pod
     assert pod["reason"] == ""
     assert ipaddress.ip_address(pod["ipv6Address"]) in ipaddress.ip_network(PREFIX)
@@ -57,7 +71,7 @@ def test_create_with_a_container_from_the_registry(net: PodNet) -> None:
     assert (volume["state"], volume["podId"], volume["formatted"]) == ("attached", A, True)
 
 
-def test_get_shows_the_containers_states(net: PodNet) -> None:
+def test_get_shows_the_containers_states(net: PodNet, pod_a: str) -> None:
     table = net.ctl("pod", "get", A).stdout
     assert "container main" in table
     assert "running" in table.splitlines()[2]
@@ -66,7 +80,7 @@ def test_get_shows_the_containers_states(net: PodNet) -> None:
     assert main["pid"] > 0 and main["startedUnixNs"] > 0 and main["finishedUnixNs"] == 0
 
 
-def test_exec_gives_the_output_and_the_exit_code(net: PodNet) -> None:
+def test_exec_gives_the_output_and_the_exit_code(net: PodNet, pod_a: str) -> None:
     hi = net.exec(A, "echo", "hi")
     assert (hi.returncode, hi.stdout, hi.stderr) == (0, "hi\n", "")
     failing = net.exec(A, "sh", "-c", "echo oops >&2; exit 3", check=False)
@@ -82,11 +96,11 @@ def test_exec_gives_the_output_and_the_exit_code(net: PodNet) -> None:
     assert missing.returncode != 0
 
 
-def test_logs_give_the_containers_output(net: PodNet) -> None:
+def test_logs_give_the_containers_output(net: PodNet, pod_a: str) -> None:
     assert net.ctl("pod", "logs", A).stdout == "started\n"
 
 
-def test_the_guest_has_the_pods_addresses(net: PodNet) -> None:
+def test_the_guest_has_the_pods_addresses(net: PodNet, pod_a: str) -> None:
     pod = net.ctl_json("pod", "get", A)
     addr = net.exec(A, "ip", "addr", "show", "dev", "eth0").stdout
     assert f"inet {pod['ipv4Address']}/32" in addr
@@ -99,7 +113,7 @@ def test_the_guest_has_the_pods_addresses(net: PodNet) -> None:
     assert net.exec(A, "cat", "/etc/resolv.conf").stdout.startswith("nameserver 169.254.0.53\n")
 
 
-def test_the_pod_resolves_names_and_reaches_the_registry(net: PodNet) -> None:
+def test_the_pod_resolves_names_and_reaches_the_registry(net: PodNet, pod_a: str) -> None:
     # the node's resolver asks the upstream (dnsmasq in the internet namespace)
     found = net.exec(A, "busybox", "nslookup", REGISTRY_NAME)
     assert f"Address: {REGISTRY_V4}" in found.stdout
@@ -108,7 +122,7 @@ def test_the_pod_resolves_names_and_reaches_the_registry(net: PodNet) -> None:
     assert got.stdout == "{}"
 
 
-def test_suspend_and_resume_keep_the_processes_memory(net: PodNet) -> None:
+def test_suspend_and_resume_keep_the_processes_memory(net: PodNet, pod_a: str) -> None:
     token, before = token_and_count(net, A)
     boot = boot_id(net, A)
     assert net.ctl_json("pod", "suspend", A)["state"] == "suspended"
@@ -123,7 +137,7 @@ def test_suspend_and_resume_keep_the_processes_memory(net: PodNet) -> None:
     assert net.exec(A, "busybox", "wget", "-q", "-O-", f"http://{REGISTRY_V4}:5000/v2/").stdout == "{}"
 
 
-def test_stop_and_start_keep_the_containers_files(net: PodNet) -> None:
+def test_stop_and_start_keep_the_containers_files(net: PodNet, pod_a: str) -> None:
     token, _ = token_and_count(net, A)
     boot = boot_id(net, A)
     net.exec(A, "sh", "-c", "echo in-the-rootfs > /kept && echo on-the-volume > /data/f")
@@ -138,7 +152,8 @@ def test_stop_and_start_keep_the_containers_files(net: PodNet) -> None:
     assert token_and_count(net, A)[0] != token  # ... and the container's process started anew
 
 
-def test_delete_frees_the_volume_for_a_second_pod(net: PodNet) -> None:
+def test_delete_frees_the_volume_for_a_second_pod(net: PodNet, pod_a: str) -> None:
+    net.exec(A, "sh", "-c", "echo in-the-rootfs > /kept && echo on-the-volume > /data/f")
     pod = net.ctl_json("pod", "get", A)
     assert net.ctl("pod", "delete", A).stdout.strip() == f"pod {A} deleted"
     assert net.ctl("pod", "get", A, check=False).returncode == 15
@@ -179,14 +194,13 @@ def test_pods_that_fail_say_why(net: PodNet) -> None:
     assert "feos/no-such-image" in bad_image["reason"]
     assert f"failed: {bad_image['reason']}" in outs[1][1]
     listed = {p["id"]: p["state"] for p in net.ctl_json("pod", "list")}
-    assert listed == {B: "running", BAD_USER: "failed", BAD_IMAGE: "failed"}
+    assert {listed.get(BAD_USER), listed.get(BAD_IMAGE)} == {"failed"}
 
 
 def test_a_command_that_is_not_there_fails_the_pod_naming_it(net: PodNet) -> None:
     # The guest looks the command up in the image's root at the container's create (as docker's
     # create does), so a program the image lacks fails the pod with the reason, rather than a
     # pod that runs a container that exited at once.
-    net.ctl("pod", "exec", B, "--", "true")
     done = net.ctl("pod", "create", BAD_CMD, "--wait", "--memory", "256MiB", "--image", IMAGE,
                    "--cmd", "/bin/no-such-program", check=False)
     assert done.returncode == 19, done.stderr
@@ -197,8 +211,10 @@ def test_a_command_that_is_not_there_fails_the_pod_naming_it(net: PodNet) -> Non
 
 
 def test_deleting_every_pod_leaves_nothing(net: PodNet) -> None:
-    for pod_id in (B, BAD_USER, BAD_IMAGE, BAD_CMD):
-        net.ctl("pod", "delete", pod_id)
+    if not net.ctl_json("pod", "list"):  # alone: a running pod, its TAP and rules, to delete
+        running_pod(net, B, "--memory", "256MiB", "--image", IMAGE, "--cmd", "sleep", "3600")
+    for pod in net.ctl_json("pod", "list"):
+        net.ctl("pod", "delete", pod["id"])
     assert net.ctl_json("pod", "list") == []
     assert net.qemus() == {}
     assert not [name for name in net.links() if name.startswith("pod-")]

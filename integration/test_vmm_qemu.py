@@ -100,11 +100,50 @@ def _kill_all(state: Path) -> None:
 
 
 @pytest.fixture
-async def vms(env: Env) -> AsyncIterator[MicroVms]:
+async def vms(env: Env, prepared: None) -> AsyncIterator[MicroVms]:
     async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as inner:
         service = await inner.start(env.service(bridge).run)
         yield service
         inner.cancel_scope.cancel()
+
+
+async def _prepare(env: Env, wanted: dict[str, VmState]) -> None:
+    """The module's guests as a test needs them, whatever the tests before it left (each test
+    passes alone): made and started, resumed, or shut down (STOPPED: any state that is not
+    running, created included, as `start` boots each alike); by a service of its own that lets
+    go of them at its end, for the test's own service (or its takeover) to find."""
+    async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as n:
+        vms = await n.start(env.service(bridge).run)
+        for vm_id, state in wanted.items():
+            try:
+                info = vms.get(vm_id)
+            except FeosError as e:
+                if e.code != Code.NOT_FOUND:
+                    raise
+                info = await vms.create(vm_id, env.spec(vm_id))
+            if info.state is VmState.SUSPENDED:
+                await vms.resume(vm_id)
+            down = (VmState.CREATED, VmState.STOPPED, VmState.CRASHED)
+            if state is VmState.RUNNING and vms.get(vm_id).state in down:
+                await vms.start(vm_id)
+            if state is VmState.STOPPED and vms.get(vm_id).state is VmState.RUNNING:
+                await vms.shutdown(vm_id)
+            assert vms.get(vm_id).state in ((state,) if state is VmState.RUNNING else down)
+        n.cancel_scope.cancel()
+
+
+def guests(wanted: dict[str, VmState]) -> pytest.MarkDecorator:
+    """The states of the module's guests a test needs (the fixture `prepared` makes them)."""
+    return pytest.mark.guests(wanted)
+
+
+@pytest.fixture
+async def prepared(env: Env, request: pytest.FixtureRequest) -> None:
+    """The guests the test's `guests` mark asks for, before its own service starts: `vms`
+    depends on this fixture, as pytest-trio sets independent async fixtures up concurrently."""
+    mark = request.node.get_closest_marker("guests")
+    if mark is not None:
+        await _prepare(env, mark.args[0])
 
 
 async def _events(recv: trio.MemoryReceiveChannel[object], within: float = 0.2) -> list[object]:
@@ -116,7 +155,7 @@ async def _events(recv: trio.MemoryReceiveChannel[object], within: float = 0.2) 
         return out
 
 
-# -- the tests, in order: they share the module's two guests -------------------------------
+# -- the tests share the module's two guests; a fixture prepares what a test needs ------------
 
 
 async def test_create_start_attach_and_clock(env: Env, vms: MicroVms) -> None:
@@ -152,8 +191,9 @@ async def test_create_start_attach_and_clock(env: Env, vms: MicroVms) -> None:
     assert {e.id for e in got if isinstance(e, GuestAttached)} == {A, B}  # type: ignore[attr-defined]
 
 
+@guests({A: VmState.RUNNING})
 async def test_suspend_keeps_the_guest_and_resume_brings_it_back(env: Env, vms: MicroVms) -> None:
-    assert vms.get(A).state is VmState.RUNNING  # taken over from the test before
+    assert vms.get(A).state is VmState.RUNNING  # taken over from the fixture's service
     guest = await vms.guest(A)
     ping = await guest.ping()
     events = vms.subscribe()
@@ -201,6 +241,7 @@ async def test_suspend_keeps_the_guest_and_resume_brings_it_back(env: Env, vms: 
     assert (await vms.guest(A)).client is guest.client
 
 
+@guests({A: VmState.RUNNING})
 async def test_the_guest_comes_back_after_the_link_drops(env: Env, vms: MicroVms) -> None:
     """The node's end of the link closes (as when feosd dies): the agent notices, and the
     link's next dial gets a new session of the same boot."""
@@ -216,7 +257,8 @@ async def test_the_guest_comes_back_after_the_link_drops(env: Env, vms: MicroVms
     assert (await again.ping()).boot_id == before.boot_id
 
 
-async def test_takeover_after_kill_9(env: Env) -> None:
+@guests({A: VmState.RUNNING, B: VmState.RUNNING})
+async def test_takeover_after_kill_9(env: Env, prepared: None) -> None:
     """A service in a process of its own suspends B, and dies by SIGKILL; a new one finds A
     running (the same QEMU) and B suspended, and resumes B."""
     pid_a = env.pid(A)
@@ -259,7 +301,10 @@ trio.run(main)
         n.cancel_scope.cancel()
 
 
-async def test_late_snapshot_is_busy_across_a_restart_then_runs_again(env: Env) -> None:
+@guests({B: VmState.RUNNING})
+async def test_late_snapshot_is_busy_across_a_restart_then_runs_again(
+    env: Env, prepared: None
+) -> None:
     """A snapshot past its timeout: busy, refused, the marker kept across a restart of the
     service, and once QEMU is done the VM runs again with the snapshot discarded."""
     d = env.state / "vms" / "qemu" / B
@@ -293,6 +338,7 @@ async def test_late_snapshot_is_busy_across_a_restart_then_runs_again(env: Env) 
         n.cancel_scope.cancel()
 
 
+@guests({A: VmState.RUNNING, B: VmState.RUNNING})
 async def test_shutdown_is_stopped_and_a_killed_qemu_crashed(env: Env, vms: MicroVms) -> None:
     events = vms.subscribe()
     info = await vms.shutdown(A)
@@ -307,7 +353,8 @@ async def test_shutdown_is_stopped_and_a_killed_qemu_crashed(env: Env, vms: Micr
     assert Crashed(B, "QEMU was killed by signal 9") in got
 
 
-async def test_a_qmp_that_does_not_answer_after_a_restart(env: Env) -> None:
+@guests({A: VmState.STOPPED})
+async def test_a_qmp_that_does_not_answer_after_a_restart(env: Env, prepared: None) -> None:
     async with feos.rpc.capnp_thread() as bridge, trio.open_nursery() as n:
         vms = await n.start(env.service(bridge).run)
         await vms.start(A)  # a stopped VM boots again
@@ -337,6 +384,7 @@ async def test_a_guest_that_never_attaches(env: Env) -> None:
         n.cancel_scope.cancel()
 
 
+@guests({A: VmState.RUNNING})
 async def test_delete_removes_everything(env: Env, vms: MicroVms) -> None:
     disk = Path(env.disk(A))
     for vm_id in [v.id for v in vms.list()]:

@@ -50,7 +50,7 @@ from feos.errors import Code, FeosError, busy
 from ._driver import Adopted, Exit, VmHandle, VmState
 from ._jail import _set_tap_owner
 from ._qemu_argv import Drive, QemuConfig, Tap, host_tsc_khz, kernel_cmdline, qemu_argv
-from ._qmp import Qmp, connect_qmp
+from ._qmp import Qmp, backoff, connect_qmp, until
 
 log = logging.getLogger("feos.vmm.qemu")
 
@@ -60,6 +60,12 @@ MAX_BANDWIDTH = 1 << 40  # bytes/s: QEMU's default cap (128 MiB/s) would make a 
 QMP_WITHIN_S = 5.0
 LINK_WITHIN_S = 1.0  # a resume: until QEMU took the guest link's connection, before `cont`
 LINK_CHARDEV = "guest"  # the guest link's -chardev id (_qemu_argv)
+# The most a QMP wait pauses between looks (see _qmp's "Waiting for QEMU"). A migration's end
+# comes as a MIGRATION event (the pause only backs it up); QEMU's socket and the guest link's
+# connection come without any, on the resume's path: there the pause stays short.
+MIGRATION_PAUSE_S = 0.05
+SOCKET_PAUSE_S = 0.01
+MIGRATION_EVENTS = {"capabilities": [{"capability": "events", "state": True}]}
 
 
 @attrs.define
@@ -223,7 +229,7 @@ class QemuDriver:
         """QMP, tried until QEMU has made its socket, within `within`."""
         path = str(vm.directory / "qmp.sock")
         deadline = trio.current_time() + within
-        while True:
+        for pause in backoff(SOCKET_PAUSE_S):
             if _exited(live.pidfd):
                 exit_ = await self._reap(vm.id, live)
                 tail = _tail(vm.directory / "vmm.log")
@@ -235,7 +241,8 @@ class QemuDriver:
                     raise FeosError(
                         Code.UNAVAILABLE, f"QEMU's QMP did not answer within {within}s"
                     ) from None
-            await trio.sleep(0.002)
+            await trio.sleep(pause)
+        raise AssertionError("backoff() never ends")
 
     async def wait(self, vm: VmHandle) -> Exit:
         live = self._live.get(vm.id)
@@ -335,6 +342,7 @@ class QemuDriver:
         part = snap / f"{SNAPSHOT_FILE}.part"
         await live.qmp.execute("stop")
         await live.qmp.execute("migrate-set-parameters", {"max-bandwidth": self._max_bandwidth})
+        await live.qmp.execute("migrate-set-capabilities", MIGRATION_EVENTS)
         snap.mkdir(exist_ok=True)
         fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
@@ -384,7 +392,8 @@ class QemuDriver:
         if not memory.exists():
             raise FeosError(Code.FAILED_PRECONDITION, f"microVM {vm.id} has no snapshot")
         argv = json.loads((vm.directory / "config").read_text())
-        argv += ["-S", "-incoming", "fd:INCOMING"]
+        # MIGRATION events from the start: the load begins before QMP is connected
+        argv += ["-global", "migration.x-events=on", "-S", "-incoming", "fd:INCOMING"]
         began = time.monotonic()
         await self._spawn(vm, argv, memory, within)
         live = self._live[vm.id]
@@ -711,33 +720,42 @@ def _punch(fd: int, offset: int, length: int) -> None:
 
 
 async def _migrated(qmp: Qmp) -> str:
-    """Poll query-migrate until the outgoing migration ends; its status."""
-    while True:
+    """Until the outgoing migration ends (MIGRATION events wake the look); its status."""
+
+    async def ended() -> str | None:
         info = await qmp.execute("query-migrate")
         status = info.get("status", "none")
-        if status in ("completed", "failed", "cancelled"):
-            if status != "completed":
-                why = info.get("error-desc", "")
-                raise FeosError(Code.INTERNAL, f"QEMU's snapshot {status}: {why}")
-            return str(status)
-        await trio.sleep(0.002)
+        if status not in ("completed", "failed", "cancelled"):
+            return None
+        if status != "completed":
+            why = info.get("error-desc", "")
+            raise FeosError(Code.INTERNAL, f"QEMU's snapshot {status}: {why}")
+        return str(status)
+
+    return await until(qmp, ended, "MIGRATION", most=MIGRATION_PAUSE_S)
 
 
 async def _link_connected(qmp: Qmp) -> None:
-    """Poll until QEMU has accepted a connection on the guest link's socket."""
-    while True:
+    """Until QEMU has accepted a connection on the guest link's socket (no event says so)."""
+
+    async def connected() -> bool | None:
         for chardev in await qmp.execute("query-chardev"):
             if chardev.get("label") == LINK_CHARDEV:
                 if not str(chardev.get("filename", "")).startswith("disconnected:"):
-                    return
-        await trio.sleep(0.001)
+                    return True
+        return None
+
+    await until(qmp, connected, most=SOCKET_PAUSE_S)
 
 
 async def _incoming_done(qmp: Qmp) -> str:
-    """Poll until an incoming migration has loaded (the VM waits, paused by -S)."""
-    while True:
+    """Until an incoming migration has loaded (the VM waits, paused by -S)."""
+
+    async def loaded() -> str | None:
         status = (await qmp.execute("query-status"))["status"]
-        if status != "inmigrate":
-            migration = (await qmp.execute("query-migrate")).get("status", "none")
-            return "completed" if migration == "completed" else f"{status}/{migration}"
-        await trio.sleep(0.002)
+        if status == "inmigrate":
+            return None
+        migration = (await qmp.execute("query-migrate")).get("status", "none")
+        return "completed" if migration == "completed" else f"{status}/{migration}"
+
+    return await until(qmp, loaded, "MIGRATION", most=MIGRATION_PAUSE_S)

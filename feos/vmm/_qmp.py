@@ -7,6 +7,12 @@ arrive at any time in between. `QmpParser` turns bytes into messages and never d
 `Qmp` is the thin trio loop: one reader task routes replies to their waiters by id and events to
 a list of them, so a caller can wait for an event such as SHUTDOWN while it issues commands.
 A file descriptor for `getfd` rides on the command's own sendmsg (SCM_RIGHTS).
+
+Waiting for QEMU. The host's cores run the guests, so nothing here spins: `until` looks at a
+state with a query, then sleeps until an event that may have changed it (MIGRATION, with the
+`events` migration capability on) or a back-off pause, doubling from 1 ms, ends. The event wakes
+it at once; the pause covers what QEMU announced before anyone listened (a new connection after
+feosd's restart) or never announces (a chardev's connection, a socket not made yet).
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from __future__ import annotations
 import array
 import json
 import socket
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import attrs
 import trio
@@ -23,6 +30,8 @@ from feos._sockpath import reachable
 from feos.errors import Code, FeosError
 
 MAX_LINE = 1 << 20  # a QMP message is small; a longer line means the peer is not QEMU
+FIRST_PAUSE_S = 0.001  # the back-off's first pause; it doubles up to a caller's most
+T = TypeVar("T")
 
 
 @attrs.frozen
@@ -160,8 +169,19 @@ class Qmp:
         assert event is not None
         return event
 
-    def seen(self, *names: str) -> Event | None:
-        return next((e for e in self._events if e.name in names), None)
+    def seen(self, *names: str, since: int = 0) -> Event | None:
+        return next((e for e in self._events[since:] if e.name in names), None)
+
+    def events_seen(self) -> int:
+        """How many events have come so far: a mark for `wait_new_event`."""
+        return len(self._events)
+
+    async def wait_new_event(self, since: int, *names: str) -> Event:
+        """The first event of these names that came after the mark `since`."""
+        await self._pump_until(lambda: self.seen(*names, since=since) is not None, "/".join(names))
+        event = self.seen(*names, since=since)
+        assert event is not None
+        return event
 
     async def _pump_until(self, done: Any, what: str) -> None:
         while not done():
@@ -191,6 +211,31 @@ class Qmp:
     def close(self) -> None:
         self.closed = True
         self._sock.close()
+
+
+def backoff(most: float) -> Iterator[float]:
+    """Pauses between looks: from FIRST_PAUSE_S, doubling, never over `most`."""
+    pause = FIRST_PAUSE_S
+    while True:
+        yield pause
+        pause = min(2 * pause, most)
+
+
+async def until(qmp: Qmp, probe: Callable[[], Awaitable[T | None]], *events: str,
+                most: float) -> T:  # fmt: skip
+    """probe()'s first answer that is not None; between looks, until one of `events` comes
+    (after the mark taken before the look, so none is missed) or the back-off's pause ends."""
+    for pause in backoff(most):
+        mark = qmp.events_seen()
+        answer = await probe()
+        if answer is not None:
+            return answer
+        with trio.move_on_after(pause):
+            if events:
+                await qmp.wait_new_event(mark, *events)
+            else:
+                await trio.sleep_forever()
+    raise AssertionError("backoff() never ends")
 
 
 async def _send_all(sock: trio.socket.SocketType, data: bytes) -> None:

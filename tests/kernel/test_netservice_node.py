@@ -148,6 +148,20 @@ def dig(ns: Any, name: str, qtype: str) -> str:
     return ns.run("dig", "+time=2", "+tries=1", "@169.254.0.53", name, qtype, check=False).stdout
 
 
+async def _dig_into(answers: list[str], ns: Any, name: str, qtype: str) -> None:
+    answers.append(await trio.to_thread.run_sync(dig, ns, name, qtype))
+
+
+async def _query_queued(node: Any) -> None:
+    """Until a query waits unread in the resolver's UDP socket (its Recv-Q is not 0)."""
+    with trio.fail_after(2):  # dig's own timeout: past it, its query was read or never sent
+        while True:
+            listing = node.run("ss", "-Hlnu", "src", "169.254.0.53", "sport", "53").stdout
+            if any(line.split()[1] != "0" for line in listing.splitlines()):
+                return
+            await trio.sleep(0.01)
+
+
 def chains(w: World) -> set[str]:
     listing = json.loads(w.node.run("nft", "-j", "list", "table", "inet", "feos").stdout)
     return {i["chain"]["name"] for i in listing["nftables"] if "chain" in i}
@@ -240,12 +254,17 @@ async def test_the_resolver_and_traffic_of_a_pod(world: World) -> None:
     world.view.pods[p.id] = p
     veth_pod(world, p)
     await net.prepare(p)
-    # Until the pods are loaded the resolver reads nothing: the query waits, then times out.
-    assert "timed out" in dig(world.pod, "web", "A")
+    # Until the pods are loaded the resolver reads nothing: dig runs on a worker thread while
+    # the resolver runs here, its query waits unread in the socket's buffer, and the answer
+    # comes once the pods are loaded (a resolver that read it earlier fails the wait).
     stream = net.traffic.open_stream(VETHED)
-    net.pods_loaded()
-    await trio.sleep(0.2)
-    answer = await trio.to_thread.run_sync(dig, world.pod, "web", "A")
+    async with trio.open_nursery() as nursery:
+        answers: list[str] = []
+        nursery.start_soon(_dig_into, answers, world.pod, "web", "A")
+        await _query_queued(world.node)
+        assert answers == []
+        net.pods_loaded()
+    answer = answers[0]
     assert re.search(rf"^web\.\s+5\s+IN\s+A\s+{SERVER}$", answer, re.M) and " aa " in answer
     assert "2001:db8:99::5" in await trio.to_thread.run_sync(dig, world.pod, "web", "AAAA")
     assert "status: REFUSED" in await trio.to_thread.run_sync(dig, world.server, "web", "A")

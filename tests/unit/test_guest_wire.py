@@ -10,12 +10,14 @@ results and their release, exceptions, unknown methods), and _rpc calls a pycapn
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 from typing import Any
 
 import capnp
 import pytest
+from _aio import idle, until
 from _modpath import load
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -225,6 +227,8 @@ class Stream(guest.ByteStream.Server):  # type: ignore[misc,name-defined]
 
 
 class Service(guest.GuestService.Server):  # type: ignore[misc,name-defined]
+    conn: _rpc.Connection | None = None  # the guest's connection that serves it
+
     async def ping_context(self, ctx: Any) -> None:
         ctx.results.version, ctx.results.uptimeNs = "v1", 5
 
@@ -235,14 +239,22 @@ class Service(guest.GuestService.Server):  # type: ignore[misc,name-defined]
         raise RuntimeError("no clock here")
 
     async def exec_context(self, ctx: Any) -> None:
-        await asyncio.sleep(0.05)  # answers after calls pipelined on it have arrived
+        await until(self._pipelined_on)  # answers after a call pipelined on it has arrived
         ctx.results.stdout = Stream(b" ".join(s.encode() for s in ctx.params.command))
+
+    def _pipelined_on(self) -> bool:
+        """Another call waits in the connection (its target, this call's answer, is not done)."""
+        assert self.conn is not None
+        me = asyncio.current_task()
+        return any(a.task not in (None, me) and not a.task.done()  # type: ignore[union-attr]
+                   for a in self.conn.answers.values())
 
 
 async def _pair(body: Any, node_bootstrap: Any = None) -> Any:
     ours, theirs = socket.socketpair()
     async with capnp.kj_loop():
-        conn = _rpc.Connection(ours, Service())
+        service = Service()
+        conn = service.conn = _rpc.Connection(ours, service)
         running = asyncio.ensure_future(conn.run())
         stream = await capnp.AsyncIoStream.create_connection(sock=theirs)
         peer = (capnp.TwoPartyServer(stream, bootstrap=node_bootstrap) if node_bootstrap
@@ -278,10 +290,8 @@ def test_returned_capabilities_are_released_when_the_node_drops_them() -> None:
         held = len(conn.exports)
         await stream.read(3)
         del stream
-        for _ in range(50):
-            await asyncio.sleep(0.01)
-            if len(conn.exports) == before:
-                break
+        with contextlib.suppress(TimeoutError):
+            await until(lambda: len(conn.exports) == before, within=0.5)
         return before, held, len(conn.exports)
 
     Stream.dropped = Stream.made = 0
@@ -330,11 +340,13 @@ def test_the_guest_calls_the_node_s_bootstrap() -> None:
 def test_a_closed_connection_fails_what_waits() -> None:
     async def body() -> Any:
         ours, theirs = socket.socketpair()
-        conn = _rpc.Connection(ours, Service())
+        service = Service()
+        conn = service.conn = _rpc.Connection(ours, service)
         running = asyncio.ensure_future(conn.run())
         node = conn.bootstrap().cast_as(guest.NodeService)
         waiting = asyncio.ensure_future(node.attach("v", "b", "s"))
-        await asyncio.sleep(0.01)
+        await idle()  # its question is asked
+        assert not waiting.done()
         theirs.close()
         with pytest.raises(EOFError):
             await running

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from feos import _schema
 from feos.errors import Code, FeosError
@@ -71,7 +72,7 @@ async def test_next_waits_for_a_record_and_ends_with_the_hub() -> None:
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watch)
-        await trio.sleep(0.05)
+        await trio.testing.wait_all_tasks_blocked()
         assert got == []  # nothing yet: it waits
         hub.publish(flow(B))
     assert [r["flow"]["podId"] for r in got[0]["records"]] == [B]
@@ -117,7 +118,9 @@ async def test_over_capnp_rpc() -> None:
         server = await bridge.call(start_server)
 
         async def publish_later() -> None:
-            await trio.sleep(0.2)
+            with trio.fail_after(10):  # until the client's next() waits (on the Cap'n Proto thread)
+                while not any(sub.send.statistics().tasks_waiting_receive for sub in hub._subs):  # noqa: ASYNC110
+                    await trio.sleep(0.001)
             hub.publish(flow(B))
             hub.publish(flow(A))
 

@@ -5,8 +5,10 @@ and the GuestLink's steps around it against a scripted client."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import socket
 import struct
+import termios
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import Any
 
 import trio
 import trio.testing
+from _aio import idle
 from hypothesis import given
 from hypothesis import strategies as st
 from test_vmm_guestlink import Bridge, stub_waits
@@ -77,6 +80,11 @@ def _pair() -> tuple[socket.socket, socket.socket]:
     return a, b
 
 
+def _inq(sock: socket.socket) -> int:
+    """The bytes waiting unread in a socket's receive queue (FIONREAD)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+
+
 async def _read(sock: socket.socket, n: int) -> bytes:
     out = b""
     while len(out) < n:
@@ -92,7 +100,7 @@ def test_a_half_message_is_held_until_its_end() -> None:
         link = SwapLink(ours)
         msg = _message([3, 1])
         await link.send(msg[:11])
-        await asyncio.sleep(0.01)
+        await idle()
         try:
             peer.recv(100)
             raise AssertionError("a part of a message went out")
@@ -113,7 +121,7 @@ def test_park_waits_until_the_peer_has_read() -> None:
         msg = _message([5])
         await link.send(msg)
         park = asyncio.ensure_future(link.park(2.0))
-        await asyncio.sleep(0.05)
+        await idle()  # park has looked at the unread bytes (and polls them on)
         assert not park.done()  # the peer has not read it yet
         assert await _read(peer, len(msg)) == msg
         assert await park is True
@@ -146,13 +154,13 @@ def test_a_parked_stream_goes_on_over_the_next_connection() -> None:
         link = SwapLink(old)
         assert await link.park(1.0)
         held = asyncio.ensure_future(link.send(_message([4])))  # the node's RPC sends on
-        await asyncio.sleep(0.01)
+        await idle()
         assert not held.done()
         old_peer.sendall(b"before")  # what the guest sent before the VMM ended ...
         old_peer.close()  # ... which then quits
         assert await link.recv() == b"before"
         reading = asyncio.ensure_future(link.recv())
-        await asyncio.sleep(0.02)
+        await idle()
         assert not reading.done()  # the old connection's end is not the stream's
         new, new_peer = _pair()
         link.rebind(new)
@@ -174,7 +182,7 @@ def test_unpark_without_a_new_connection_ends_the_stream() -> None:
         assert await link.park(1.0)
         old_peer.close()
         reading = asyncio.ensure_future(link.recv())
-        await asyncio.sleep(0.02)
+        await idle()
         assert not reading.done()
         link.unpark()  # the resume had no session to rejoin: the stream ends here
         assert await reading == b""
@@ -189,7 +197,8 @@ def test_unpark_of_a_live_connection_sends_again() -> None:
         link = SwapLink(ours)
         assert await link.park(1.0)
         held = asyncio.ensure_future(link.send(_message([1])))
-        await asyncio.sleep(0.01)
+        await idle()
+        assert not held.done()
         link.unpark()  # the suspend failed: the same VMM runs on
         await held
         assert await _read(peer, 16) == _message([1])
@@ -329,7 +338,7 @@ async def test_a_failed_resume_drops_the_rejoined_session(
         link.drop()  # QEMU died between the load and cont
         with trio.fail_after(1):
             await clients[0].ended.wait()
-        await trio.sleep(10)
+        await trio.sleep(10)  # the autojump clock's ten seconds: no retry timer dials meanwhile
         assert len(clients) == 1  # held: no dial until the next resume kicks
 
 
@@ -371,12 +380,13 @@ def test_a_real_agents_session_goes_on_over_the_next_vmms_connection(tmp_path: P
         client = await GuestClient._start(SwapLink(node1))
         first = await client.ping()
         assert await client.park(2.0)
-        await asyncio.sleep(0.05)  # the relay has passed on what it read
+        await idle()  # the relay has passed on what it read ...
+        assert _inq(vmm1) == 0  # ... and nothing waits for it
         relay.cancel()
         await asyncio.gather(relay, return_exceptions=True)
         vmm1.close()  # the old VMM quit: the node reads its end and waits
         held = asyncio.ensure_future(client.ping())
-        await asyncio.sleep(0.2)
+        await idle()
         assert not held.done() and not client.ended.is_set()
         node2, vmm2 = _pair()
         client._link.rebind(node2)  # type: ignore[union-attr]
@@ -407,7 +417,7 @@ def test_a_link_parks_again_after_an_unpark() -> None:
         assert await link.park(1.0)  # the next one
         peer.close()
         reading = asyncio.ensure_future(link.recv())
-        await asyncio.sleep(0.02)
+        await idle()
         assert not reading.done()  # it waits for the resumed VMM, as the first park would
         new, new_peer = _pair()
         link.rebind(new)
@@ -433,5 +443,5 @@ async def test_a_parked_session_ends_quietly_when_feosd_stops(
             raise FeosError(Code.UNAVAILABLE, "feosd stops")
 
         clients[0].close = refused  # type: ignore[method-assign]
-        await trio.sleep(1)
+        await trio.testing.wait_all_tasks_blocked()
         # the block's end cancels the link's run, as the service's end does: nothing comes out

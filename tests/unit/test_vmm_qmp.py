@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
+import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from feos.vmm._qmp import Event, Greeting, QmpParser, QmpProtocolError, Reply, decode, encode
+from feos.vmm._qemu import MIGRATION_PAUSE_S
+from feos.vmm._qmp import (
+    Event,
+    Greeting,
+    Qmp,
+    QmpParser,
+    QmpProtocolError,
+    Reply,
+    decode,
+    encode,
+)
 
 
 def test_greeting_reply_error_event() -> None:
@@ -68,3 +80,61 @@ def test_parser_takes_any_bytes(data: bytes) -> None:
 def test_replies_round_trip(value: dict[str, int], msg_id: int) -> None:
     line = json.dumps({"return": value, "id": msg_id}).encode()
     assert decode(line) == Reply(msg_id, True, value)
+
+
+# -- waiting for QEMU: events wake the wait, a back-off covers the rest -----------------------
+
+
+class FakeQemu:
+    """QEMU's side of a socketpair: answers query-migrate, and ends the migration at `ends`."""
+
+    def __init__(self, sock: trio.socket.SocketType, ends: float, announce: bool) -> None:
+        self.sock, self.ends, self.announce = sock, ends, announce
+        self.queries = 0
+
+    async def run(self) -> None:
+        buf = b""
+        while data := await self.sock.recv(65536):
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                await self._answer(json.loads(line))
+
+    async def _answer(self, msg: dict[str, Any]) -> None:
+        self.queries += msg["execute"] == "query-migrate"
+        done = trio.current_time() >= self.ends
+        reply = {"return": {"status": "completed" if done else "active"}, "id": msg["id"]}
+        await self.sock.send(json.dumps(reply).encode() + b"\n")
+
+    async def end_migration(self) -> None:
+        await trio.sleep_until(self.ends)
+        if self.announce:
+            event = {"event": "MIGRATION", "data": {"status": "completed"}}
+            await self.sock.send(json.dumps(event).encode() + b"\n")
+
+
+async def _migrate(announce: bool) -> tuple[float, int]:
+    from feos.vmm._qemu import _migrated
+
+    ours, theirs = trio.socket.socketpair()
+    qemu = FakeQemu(theirs, trio.current_time() + 1.0, announce)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(qemu.run)
+        nursery.start_soon(qemu.end_migration)
+        assert await _migrated(Qmp(ours)) == "completed"
+        nursery.cancel_scope.cancel()
+    ours.close()
+    theirs.close()
+    return trio.current_time() - qemu.ends, qemu.queries
+
+
+async def test_a_migration_s_end_is_woken_by_its_event(autojump_clock: Any) -> None:
+    late, queries = await _migrate(announce=True)
+    assert late == 0  # the event's own instant, not the next pause's
+    assert queries <= 30  # a second of migration: the back-off, not a 2 ms poll (500)
+
+
+async def test_without_its_event_the_wait_backs_off(autojump_clock: Any) -> None:
+    late, queries = await _migrate(announce=False)
+    assert 0 <= late <= MIGRATION_PAUSE_S
+    assert queries <= 30
