@@ -35,7 +35,7 @@ from .errors import Code, FeosError
 log = logging.getLogger(__name__)
 
 SUFFIX = ".pb"
-WRITE_TIMEOUT = 30.0  # a sync behind a snapshot's write-back may take seconds; pods bound theirs alike
+WRITE_TIMEOUT = 30.0  # a sync behind a snapshot's write-back may take seconds
 """Seconds a record may take to be kept before its caller is told it was not."""
 
 Fsync = Callable[[int], None]
