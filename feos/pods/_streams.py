@@ -77,8 +77,10 @@ class Relay:
         return {}
 
 
-async def open_exec(client: Any, container: str, command: list[str], env: list[str]) -> Relay:
-    process = await client.exec(container, command, env, stdin=True)
+async def open_exec(client: Any, container: str, command: list[str], env: list[str],
+                    **terminal: Any) -> Relay:
+    """terminal: GuestClient.exec's tty, working_dir, rows and cols, passed through."""
+    process = await client.exec(container, command, env, stdin=True, **terminal)
     return Relay(process.stdout, process.stderr, process)
 
 
