@@ -109,3 +109,28 @@ def test_progress_a_line_a_step_then_the_state() -> None:
     quiet = io.StringIO()
     Progress("web", True, quiet).settled("running", "")
     assert quiet.getvalue() == ""
+
+
+def test_open_exec_passes_the_terminal_and_directory_to_the_guest() -> None:
+    import asyncio
+
+    from feos.pods._streams import open_exec
+
+    class Empty:
+        async def __aiter__(self) -> Any:
+            return
+            yield
+
+    class Client:
+        async def exec(self, *args: Any, **kwargs: Any) -> Any:
+            self.got = (args, kwargs)
+            return type("P", (), {"stdout": Empty(), "stderr": Empty()})()
+
+    async def scenario() -> Any:
+        client = Client()
+        await open_exec(client, "main", ["sh"], ["A=1"], True, "/srv", 33, 101)
+        return client.got
+
+    args, kwargs = asyncio.run(scenario())
+    assert args == ("main", ["sh"], ["A=1"])
+    assert kwargs == {"stdin": True, "tty": True, "working_dir": "/srv", "rows": 33, "cols": 101}
