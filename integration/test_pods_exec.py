@@ -80,14 +80,15 @@ def _on_a_terminal(net: PodNet, argv: list[str], keys: bytes) -> bytes:
     try:
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 33, 101, 0, 0))
         before = termios.tcgetattr(slave)
-        proc = subprocess.Popen(
+        with subprocess.Popen(
             [str(BIN / "feosctl"), "--socket", str(net.feosd.socket), "pod", "exec", POD, *argv],
             stdin=slave, stdout=slave, stderr=subprocess.PIPE,
-        )  # fmt: skip
-        if keys:
-            os.write(master, keys)
-        out = _read_until_exit(master, proc)
-        assert proc.returncode == 0, (out, proc.stderr.read() if proc.stderr else b"")
+        ) as proc:  # fmt: skip
+            if keys:
+                os.write(master, keys)
+            out = _read_until_exit(master, proc)
+            err = proc.stderr.read() if proc.stderr else b""
+        assert proc.returncode == 0, (out, err)
         assert termios.tcgetattr(slave) == before  # raw mode given back
     finally:
         os.close(master)
