@@ -46,9 +46,15 @@ interface GuestService {
   logs @13 (name :Text, source :LogStream, follow :Bool) -> (status :Status, stream :ByteStream);
   # The container's output so far, and with follow what it writes until it stops.
 
-  exec @14 (name :Text, command :List(Text), env :List(Text), stdin :Bool)
+  exec @14 (name :Text, command :List(Text), env :List(Text), stdin :Bool, tty :Bool,
+            workingDir :Text, rows :UInt16, cols :UInt16)
       -> (status :Status, process :Process, stdout :ByteStream, stderr :ByteStream);
-  # A process in the running container. Without stdin, its stdin is /dev/null.
+  # A process in the running container, as the container's own process runs: its user, its
+  # environment (the image's Env under the config's env) with env over it, its working
+  # directory unless workingDir (absolute) is given. Without stdin, its stdin is /dev/null.
+  # With tty, a terminal of rows x cols (0: 24 x 80) is its stdin, stdout and stderr (and its
+  # controlling terminal): stdout carries the terminal's output, stderr only the runtime's own
+  # errors, and closeStdin sends the terminal's end of file (^D).
 
   freezeFilesystem @15 () -> (status :Status);
   # FIFREEZE of /data; a frozen one is found.

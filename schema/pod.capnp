@@ -145,8 +145,11 @@ interface PodService {
   # not built yet: unimplemented
   restorePod @9 (id :Text) -> (status :Common.Status, pod :PodInfo);
   # not built yet: unimplemented
-  execInPod @10 (id :Text, container :Text, command :List(Text), env :List(KeyValue), tty :Bool)
+  execInPod @10 (id :Text, container :Text, command :List(Text), env :List(KeyValue), tty :Bool,
+                 workingDir :Text, rows :UInt16, cols :UInt16)
       -> (status :Common.Status, stream :ByteStream);
+  # As docker exec: in the container's working directory (workingDir, absolute, instead) with its
+  # environment, env over it. tty: a terminal of rows x cols (0: 24 x 80); its output is stdout.
   podLogs @11 (id :Text, container :Text, follow :Bool) -> (status :Common.Status, stream :ByteStream);
   watchEvents @12 (podId :Text) -> (status :Common.Status, stream :EventStream);
   # podId empty: every pod's events

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import io
 import json
+import os
 import re
 import sys
 import time
@@ -95,24 +97,49 @@ def _spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def wait_settled(client: Client, pod_id: str, quiet: bool) -> dict[str, Any]:
-    """Follow the pod's events until it is RUNNING or FAILED, with a progress line."""
+    """Follow the pod's events until it is RUNNING or FAILED. Unless quiet, each bring-up
+    step (disk, vm, guest, volumes, containers) is a line on stderr as it begins, with the
+    time since the wait began, and the last line is the state it settled in and its reason."""
     watch = await client.call("pods", "watchEvents", podId=pod_id)
     stream = watch.stream
     pod = (await client.call("pods", "getPod", id=pod_id)).pod.to_dict()
-    started = time.monotonic()
+    progress = Progress(pod_id, quiet)
     while pod.get("state") == "pending":
-        if not quiet:
-            step = pod.get("step", "") or "pending"
-            print(f"\rpod {pod_id}: {step} ({time.monotonic() - started:.0f}s)   ",
-                  end="", file=sys.stderr, flush=True)
+        progress.step(pod.get("step", ""))
         answer = await pull(stream.next(max=64), "event")
         for event in answer.events:
             pod["state"], pod["step"], pod["reason"] = event.state, event.step, event.reason
+            if event.state == "pending":
+                progress.step(event.step)
         if answer.end:
             break
-    if not quiet:
-        print(file=sys.stderr)
-    return (await client.call("pods", "getPod", id=pod_id)).pod.to_dict()
+    pod = (await client.call("pods", "getPod", id=pod_id)).pod.to_dict()
+    progress.settled(pod.get("state", ""), pod.get("reason", ""))
+    return pod
+
+
+class Progress:
+    """The --wait lines: one a step, each once, then the settled state."""
+
+    def __init__(self, pod_id: str, quiet: bool, out: Any = None) -> None:
+        self.pod_id, self.quiet = pod_id, quiet
+        self.out = out
+        self.started = time.monotonic()
+        self.last = ""
+
+    def line(self, text: str) -> None:
+        if not self.quiet:
+            took = time.monotonic() - self.started
+            print(f"pod {self.pod_id}: {text} ({took:.1f}s)", file=self.out or sys.stderr,
+                  flush=True)  # fmt: skip
+
+    def step(self, step: str) -> None:
+        if step and step != self.last:
+            self.last = step
+            self.line(step)
+
+    def settled(self, state: str, reason: str) -> None:
+        self.line(f"{state}: {reason}" if reason else state)
 
 
 def _new_pod_id() -> str:
@@ -209,6 +236,8 @@ async def _pump(stream: Any, out: Any, err: Any) -> int:
 
 
 async def _feed_stdin(stream: Any) -> None:
+    if os.isatty(sys.stdin.fileno()):
+        return await _feed_terminal(stream, sys.stdin.fileno())
     loop = asyncio.get_running_loop()
     while True:
         stdin = sys.stdin.buffer
@@ -219,13 +248,51 @@ async def _feed_stdin(stream: Any) -> None:
             return
 
 
+async def _feed_terminal(stream: Any, fd: int) -> None:
+    """A terminal's keys as they come, read when the loop sees them ready: no thread is left
+    blocked in a read when the command ends (asyncio.run would wait for it, for a key)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        ready: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(fd, _ready, ready)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(fd)
+        data = os.read(fd, 65536)
+        await stream.write(data=data, close=not data)
+        if not data:
+            return
+
+
+def _ready(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class ExitWith(Exception):
     def __init__(self, code: int) -> None:
         self.code = code
 
 
+def _exec_flags(p: argparse.ArgumentParser, args: argparse.Namespace | None = None) -> None:
+    """exec's flags, as docker exec's: on the verb, and again for those given after the ID."""
+    def default(name: str, empty: Any) -> Any:
+        return getattr(args, name) if args is not None else empty
+
+    p.add_argument("-c", "--container", default=default("container", "main"))
+    p.add_argument("-i", "--stdin", "--interactive", action="store_true",
+                   default=default("stdin", False), help="pass stdin to the command")
+    p.add_argument("-t", "--tty", action="store_true", default=default("tty", False),
+                   help="give the command a terminal (this terminal's size; raw mode here)")
+    p.add_argument("-w", "--workdir", default=default("workdir", ""), metavar="DIR",
+                   help="the working directory (default: the container's)")
+    p.add_argument("-e", "--env", action="append", default=list(default("env", [])),
+                   metavar="KEY=VALUE", help="over the container's environment (repeatable)")
+
+
 def exec_options(args: argparse.Namespace) -> list[str]:
-    """The command, and the options given after the ID: `pod exec ID -i --env K=V -- CMD...`.
+    """The command, and the options given after the ID: `pod exec ID -it -e K=V -- CMD...`.
 
     The command takes the rest of the line (argparse.REMAINDER) from the first word after the
     ID, so options between the ID and `--` arrive in it; they are taken out here.
@@ -237,38 +304,100 @@ def exec_options(args: argparse.Namespace) -> list[str]:
     before, command = rest[:cut], rest[cut + 1:]
     if before:
         more = argparse.ArgumentParser(prog="feosctl pod exec", add_help=False)
-        more.add_argument("-c", "--container", default=args.container)
-        more.add_argument("-i", "--stdin", action="store_true", default=args.stdin)
-        more.add_argument("--env", action="append", default=list(args.env))
+        _exec_flags(more, args)
         try:
             given = more.parse_args(before)
         except SystemExit:
             raise UsageError(f"pod exec: {' '.join(before)}: not options of pod exec "
                              "(give the command after --)") from None
-        args.container, args.stdin, args.env = given.container, given.stdin, given.env
+        for name in ("container", "stdin", "tty", "workdir", "env"):
+            setattr(args, name, getattr(given, name))
     return command
+
+
+def exec_request(args: argparse.Namespace, command: list[str],
+                 size: tuple[int, int] = (0, 0)) -> dict[str, Any]:  # fmt: skip
+    """ExecInPod's params: -e as KeyValues (checked here: feosd names the field of the rest),
+    -w, and with -t a terminal of size (rows, columns; 0: feosd's 24 x 80)."""
+    env = []
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"pod exec: -e {item!r}: give KEY=VALUE")
+        env.append({"key": key, "value": value})
+    params: dict[str, Any] = {"id": args.id, "container": args.container, "command": command,
+                              "env": env, "workingDir": args.workdir, "tty": args.tty}
+    if args.tty:
+        params["rows"], params["cols"] = size
+    return params
+
+
+def terminal_size() -> tuple[int, int]:
+    """This terminal's (rows, columns), or (0, 0) when stdout is not a terminal."""
+    try:
+        size = os.get_terminal_size(sys.stdout.fileno())
+    except (OSError, ValueError):
+        return 0, 0
+    return size.lines, size.columns
+
+
+class RawTerminal:
+    """stdin's terminal in raw mode (keys, ^C among them, go to the command's terminal as they
+    are typed), given back as it was on any exit: an error, ^C's interrupt, the end."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.saved: list[Any] | None = None
+
+    def __enter__(self) -> RawTerminal:
+        import signal
+        import termios
+        import tty
+
+        if os.isatty(self.fd):
+            self.saved = termios.tcgetattr(self.fd)
+            for sig in (signal.SIGTERM, signal.SIGHUP):  # given back first, not killed
+                signal.signal(sig, self._signalled)
+            tty.setraw(self.fd, termios.TCSANOW)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import termios
+
+        if self.saved is not None:
+            termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
+            self.saved = None
+
+    def _signalled(self, sig: int, frame: Any) -> None:
+        self.__exit__()
+        raise SystemExit(128 + sig)
 
 
 async def pod_exec(client: Client, args: argparse.Namespace) -> None:
     command = exec_options(args)
     if not command:
         raise UsageError("pod exec: give the command after --")
-    r = await client.call("pods", "execInPod", id=args.id, container=args.container,
-                          command=command, env=[{"key": k, "value": v} for k, _, v in
-                                                     (e.partition("=") for e in args.env)])
+    params = exec_request(args, command, terminal_size() if args.tty else (0, 0))
+    r = await client.call("pods", "execInPod", **params)
     stream = r.stream
-    if args.stdin:
+    raw = RawTerminal(sys.stdin.fileno()) if args.tty else contextlib.nullcontext()
+    with raw:
+        code = await _exec_io(stream, args.stdin)
+    if code:
+        raise ExitWith(code)
+
+
+async def _exec_io(stream: Any, stdin: bool) -> int:
+    if stdin:
         feeder: asyncio.Future[None] | None = asyncio.ensure_future(_feed_stdin(stream))
     else:
         feeder = None
         await pull(stream.write(data=b"", close=True), "input")  # the command reads no stdin
     try:
-        code = await _pump(stream, sys.stdout.buffer, sys.stderr.buffer)
+        return await _pump(stream, sys.stdout.buffer, sys.stderr.buffer)
     finally:
         if feeder is not None:
             feeder.cancel()
-    if code:
-        raise ExitWith(code)
 
 
 async def pod_logs(client: Client, args: argparse.Namespace) -> None:
@@ -329,11 +458,10 @@ def register_pod(nouns: Any) -> None:
                                ("suspend", "suspendPod", "suspend a pod to a snapshot"),
                                ("resume", "resumePod", "resume a suspended pod")):
         _verb(verbs, verb, _change(method), what).add_argument("id")
-    p = _verb(verbs, "exec", pod_exec, "run a command in a container: pod exec ID -- CMD...")
+    p = _verb(verbs, "exec", pod_exec,
+              "run a command in a container, as docker exec: pod exec ID [-it] -- CMD...")
     p.add_argument("id")
-    p.add_argument("-c", "--container", default="main")
-    p.add_argument("-i", "--stdin", action="store_true", help="pass stdin to the command")
-    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    _exec_flags(p)
     p.add_argument("command", nargs=argparse.REMAINDER)
     p = _verb(verbs, "logs", pod_logs, "a container's output")
     p.add_argument("id")

@@ -98,6 +98,8 @@ class Containers:
         self.reaper = reaper
         self._all: dict[str, Container] = {}
         self.saves = Saves()
+        self.exec_dir = crun_root.rstrip("/") + "-exec"  # process.json and console sockets
+        self._execs = 0
 
     # The records --------------------------------------------------------------------------
 
@@ -313,18 +315,38 @@ class Containers:
                 return
             await asyncio.sleep(0.01)
 
-    def exec(
-        self, name: str, argv: list[str], env: list[str], stdin: bool
-    ) -> tuple[_proc.Child, int | None, int, int]:
-        """A process in the running container: (child, its stdin's write end, stdout, stderr)."""
+    async def exec(
+        self, name: str, argv: list[str], env: list[str], stdin: bool, *, cwd: str = "",
+        terminal: tuple[int, int] | None = None,
+    ) -> tuple[_proc.Child, int | None, int, int]:  # fmt: skip
+        """A process in the running container, as docker exec runs one (_oci.exec_process):
+        (child, its stdin's write end, stdout, stderr). With a terminal of (rows, columns),
+        stdin and stdout are the terminal's master (stdin always: a terminal has one) and
+        stderr carries crun's own errors."""
         c = self.get(name)
         if c.status != RUNNING:
             raise FeosError(
                 Code.FAILED_PRECONDITION, f"container {name} is {c.status}, not running"
             )
-        if env:  # crun exec --env replaces the process's environment: keep it under the caller's
-            env = _oci.merge_env(_process_env(c.dir), env)
-        cmd = [*self.crun, "exec"] + [f"--env={e}" for e in env] + [name, *argv]
+        os.makedirs(self.exec_dir, exist_ok=True)
+        self._execs += 1
+        stem = os.path.join(self.exec_dir, f"{name}.{os.getpid()}.{self._execs}")
+        process = _oci.exec_process(_process(c.dir), argv, env, cwd, terminal)
+        write_whole(f"{stem}.json", json.dumps(process).encode(), sync=False)
+        try:
+            if terminal is not None:
+                made = await self._exec_tty(name, stem)
+            else:
+                made = self._exec_pipes(name, stem, stdin)
+        except BaseException:
+            _unlink(f"{stem}.json")
+            raise
+        # crun reads it when it likes: it goes with crun
+        made[0].exited.add_done_callback(lambda _: _unlink(f"{stem}.json"))
+        return made
+
+    def _exec_pipes(self, name: str, stem: str, stdin: bool) -> tuple[Any, ...]:
+        cmd = [*self.crun, "exec", f"--process={stem}.json", name]
         in_r, in_w = os.pipe2(os.O_CLOEXEC) if stdin else (None, None)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -336,14 +358,70 @@ class Containers:
                     os.close(fd)
         return child, in_w, out_r, err_r
 
+    async def _exec_tty(self, name: str, stem: str) -> tuple[Any, ...]:
+        """crun makes the terminal in the container and hands its master over a console socket
+        (SCM_RIGHTS) before it waits for the process; a crun that fails first says why on its
+        stderr, and the wait for the master ends with it."""
+        import socket  # not on the agent's start path
 
-def _process_env(directory: str) -> list[str]:
-    """The environment a container's process runs with (its bundle's config.json)."""
+        path = f"{stem}.sock"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            listener.bind(path)
+            listener.listen(1)
+            listener.setblocking(False)
+            cmd = [*self.crun, "exec", f"--process={path[:-5]}.json",
+                   f"--console-socket={path}", name]  # fmt: skip
+            err_r, err_w = os.pipe2(os.O_CLOEXEC)
+            try:
+                child = self.reaper.spawn(cmd, stderr=err_w)
+            finally:
+                os.close(err_w)
+            master = await _receive_master(listener, child, err_r)
+        finally:
+            listener.close()
+            _unlink(path)
+        return child, os.dup(master), master, err_r
+
+
+async def _receive_master(listener: Any, child: _proc.Child, err_r: int) -> int:
+    import socket
+
+    loop = asyncio.get_running_loop()
+    accept: asyncio.Future[Any] = asyncio.ensure_future(loop.sock_accept(listener))
+    await asyncio.wait([accept, child.exited], timeout=EXEC_TTY_WITHIN,
+                       return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+    if not accept.done():
+        accept.cancel()
+        child.signal(signal.SIGKILL)
+        why = (await _proc.read_fd(err_r)).decode("utf-8", "replace").strip()
+        raise FeosError(Code.FAILED_PRECONDITION, f"exec with a terminal: {why or 'no terminal'}")
+    conn, _ = accept.result()
+    with conn:
+        conn.setblocking(True)  # crun sends the fd as soon as it has connected
+        _, fds, _, _ = socket.recv_fds(conn, 16, 1, socket.MSG_CMSG_CLOEXEC)
+    if not fds:
+        raise FeosError(Code.INTERNAL, "exec with a terminal: crun sent no terminal")
+    return fds[0]
+
+
+EXEC_TTY_WITHIN = 10.0  # for crun to hand the terminal over
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _process(directory: str) -> dict[str, Any]:
+    """The container's own process (its bundle's config.json): what an exec starts from."""
     try:
         with open(os.path.join(directory, "bundle", "config.json"), "rb") as f:
-            return list(json.load(f)["process"]["env"])
+            return dict(json.load(f)["process"])
     except (OSError, ValueError, KeyError, TypeError):
-        return []
+        return {"user": {"uid": 0, "gid": 0}, "env": [], "cwd": "/"}
 
 
 def _check_command(rootfs: str, arg0: str, env: list[str], cwd: str, mounts: list[str],

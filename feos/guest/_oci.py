@@ -130,3 +130,25 @@ def config(
             ],
         },
     }
+
+
+DEFAULT_TERMINAL = (24, 80)  # rows, columns: a terminal whose size the caller did not give
+
+
+def exec_process(
+    base: dict[str, Any], args: list[str], env: list[str], cwd: str,
+    terminal: tuple[int, int] | None,
+) -> dict[str, Any]:  # fmt: skip
+    """`crun exec --process`'s process.json for a process in a running container, as docker
+    exec makes it: the container's own process (its user, capabilities, rlimits, environment
+    and working directory) with args, env over its environment, cwd (when given) for its
+    directory, and a terminal of (rows, columns) (0: the default) when one is asked for."""
+    process = dict(base)
+    process.update(args=args, env=merge_env(list(base.get("env") or []), env),
+                   cwd=cwd or str(base.get("cwd") or "/"), terminal=terminal is not None)
+    process.pop("consoleSize", None)
+    if terminal is not None:
+        rows, cols = terminal
+        process["consoleSize"] = {"height": rows or DEFAULT_TERMINAL[0],
+                                  "width": cols or DEFAULT_TERMINAL[1]}  # fmt: skip
+    return process

@@ -237,9 +237,15 @@ class GuestServer(guest.GuestService.Server):  # type: ignore[misc]
             argv = _validate.texts("command", [str(a) for a in p.command])
             _validate.check(bool(argv) and bool(argv[0]), "command", "a program and its arguments")
             env = _validate.env("env", [str(e) for e in p.env])
+            cwd = str(p.workingDir)
+            if cwd and cwd != "/":
+                cwd = _validate.container_path("workingDir", cwd)
+            terminal = (int(p.rows), int(p.cols)) if p.tty else None
             await self.a.containers.wait_made(str(p.name))
-            child, stdin, out, err = self.a.containers.exec(str(p.name), argv, env, bool(p.stdin))
-            r.process = ProcessServer(child, stdin)
+            child, stdin, out, err = await self.a.containers.exec(
+                str(p.name), argv, env, bool(p.stdin), cwd=cwd, terminal=terminal
+            )
+            r.process = ProcessServer(child, stdin, terminal=terminal is not None)
             r.stdout, r.stderr = PipeStream(out), PipeStream(err)
 
         await guarded("exec", ctx, body)

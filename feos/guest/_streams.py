@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 
 from feos.errors import Code, FeosError
@@ -88,6 +89,10 @@ class PipeStream(guest.ByteStream.Server):  # type: ignore[misc]
             except BlockingIOError:
                 await _wait_fd(self.fd, write=False)
                 continue
+            except OSError as e:  # a terminal's master once the process's side has closed
+                if e.errno != errno.EIO:
+                    raise
+                data = b""
             if data:
                 ctx.results.data = data
                 return
@@ -107,9 +112,13 @@ class PipeStream(guest.ByteStream.Server):  # type: ignore[misc]
 
 
 class ProcessServer(guest.Process.Server):  # type: ignore[misc]
-    def __init__(self, child: Child, stdin: int | None) -> None:
+    """An exec'd process. With a terminal, stdin is the terminal's master: closeStdin types the
+    terminal's end of file (^D) into it, as a closed pipe would end a reader's input."""
+
+    def __init__(self, child: Child, stdin: int | None, terminal: bool = False) -> None:
         self.child = child
         self.stdin = stdin
+        self.terminal = terminal
         if stdin is not None:
             os.set_blocking(stdin, False)
 
@@ -134,6 +143,11 @@ class ProcessServer(guest.Process.Server):  # type: ignore[misc]
 
     async def closeStdin_context(self, ctx: Any) -> None:
         if self.stdin is not None:
+            if self.terminal:
+                try:
+                    os.write(self.stdin, b"\x04")
+                except OSError:
+                    pass  # the process has gone, or its terminal's input is full: nothing waits
             os.close(self.stdin)
             self.stdin = None
 

@@ -153,8 +153,8 @@ class Message:
             if landing & 3 == 2:
                 raise WireError("a single far pointer lands on another far pointer")
             return seg, pad + 1 + _signed30(landing), landing
-        if landing & 7 != 2:
-            raise WireError("a double far pointer's pad is not a single far pointer")
+        if landing & 3 != 2:  # its own double bit is not looked at, as C++ does not
+            raise WireError("a double far pointer's pad is not a far pointer")
         tag = self.word(seg, pad + 1)
         return landing >> 32, (landing >> 3) & 0x1FFFFFFF, tag
 

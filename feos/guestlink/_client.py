@@ -354,9 +354,14 @@ class GuestClient:
         return ByteReader((await _call(self._g().logs(name, which, follow))).stream)
 
     async def exec(
-        self, name: str, command: list[str], env: list[str] | None = None, *, stdin: bool = False
-    ) -> ExecProcess:
-        r = await _call(self._g().exec(name, command, env or [], stdin))
+        self, name: str, command: list[str], env: list[str] | None = None, *, stdin: bool = False,
+        tty: bool = False, working_dir: str = "", rows: int = 0, cols: int = 0,
+    ) -> ExecProcess:  # fmt: skip
+        """A process in the running container, in its working directory (working_dir instead)
+        with its environment and env over it. tty: a terminal of rows x cols (0: 24 x 80),
+        whose output is stdout (stderr has only the runtime's own errors)."""
+        r = await _call(self._g().exec(name, command, env or [], stdin, tty, working_dir,
+                                       rows, cols))  # fmt: skip
         return ExecProcess(r.process, r.stdout, r.stderr)
 
     async def freeze_filesystem(self) -> None:

@@ -81,6 +81,9 @@ class ExecInPod:
     command: tuple[str, ...] = attrs.field(default=(), converter=_command)
     env: tuple[KeyValue, ...] = ()
     tty: bool = False
+    working_dir: str = ""
+    rows: int = 0
+    cols: int = 0
 
     def environment(self) -> list[str]:
         return [f"{kv.key}={kv.value}" for kv in self.env]

@@ -465,8 +465,9 @@ class PodService:
     @edge(ExecInPod)
     async def exec_in_pod(self, req: ExecInPod) -> dict[str, Any]:
         guest = await self._running_guest(req.id)
+        # by position: GuestHandle.call passes no keywords
         stream = await guest.call(open_exec, guest.client, req.container, list(req.command),
-                                  req.environment())
+                                  req.environment(), req.tty, req.working_dir, req.rows, req.cols)
         return {"stream": Cap(_schema.pod().ByteStream, stream)}
 
     @edge(PodLogs)

@@ -102,8 +102,13 @@ class Relay:
         return {}
 
 
-async def open_exec(client: Any, container: str, command: list[str], env: list[str]) -> Relay:
-    process = await client.exec(container, command, env, stdin=True)
+async def open_exec(client: Any, container: str, command: list[str], env: list[str],
+                    tty: bool = False, working_dir: str = "", rows: int = 0,
+                    cols: int = 0) -> Relay:  # fmt: skip
+    """tty, working_dir, rows, cols: GuestClient.exec's, passed through (positional too: the
+    guest handle's call takes no keywords)."""
+    process = await client.exec(container, command, env, stdin=True, tty=tty,
+                                working_dir=working_dir, rows=rows, cols=cols)  # fmt: skip
     return Relay(process.stdout, process.stderr, process)
 
 

@@ -45,6 +45,19 @@ def log(msg: str) -> None:
     print(f"guest-image: {time.monotonic() - _T0:6.1f}s {msg}", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def step(name: str) -> Iterator[None]:
+    """One step of the build: a line on stderr as it passes, with the time it took (the line's
+    first number is the time since the build began). A step that fails says so."""
+    began = time.monotonic()
+    try:
+        yield
+    except BaseException:
+        log(f"{name} failed after {time.monotonic() - began:.1f}s")
+        raise
+    log(f"{name} done in {time.monotonic() - began:.1f}s")
+
+
 def run(*argv: str | Path, cwd: Path | None = None, capture: bool = False) -> str:
     """Run a program; its output goes to stderr (stdout carries the result alone) or back."""
     cmd = [str(a) for a in argv]
@@ -292,30 +305,34 @@ def build(repo: Path, work: Path, inputs: dict[str, object], version: str) -> Pa
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     debs = work / "debs"
-    kpkg, kdebver = inputs["kernel"]  # type: ignore[misc]
-    kroot = extract_once(download_deb(debs, kpkg, kdebver), work / f"kernel-{kpkg}-{kdebver}")
+    kernel: tuple[str, str] = inputs["kernel"]  # type: ignore[assignment]
+    kpkg, kdebver = kernel
     kver = kpkg.removeprefix("linux-image-")
-    if not (kroot / "lib/modules" / kver / "modules.dep").exists():
-        run("depmod", "-b", kroot, kver)
     packages: dict[str, str] = inputs["packages"]  # type: ignore[assignment]
     bb = packages["busybox-static"]
-    bbroot = extract_once(download_deb(debs, "busybox-static", bb), work / f"busybox-{bb}")
-    shutil.copy2(kroot / f"boot/vmlinuz-{kver}", stage / "vmlinuz")
-    (stage / "vmlinux").write_bytes(extract_vmlinux((stage / "vmlinuz").read_bytes()))
-    log("initramfs")
-    make_initramfs(kroot, kver, bbroot, stage)
-    tree = debootstrap(work, mirror(), packages)
-    log("root")
-    base = base_root(work, tree, kroot, kver)
-    stage_root(base, repo, stage / "root.d")
-    log("root.erofs")
-    run("mkfs.erofs", "--quiet", "-zlz4hc", "--preserve-mtime", "--all-root",
-        stage / "root.erofs", stage / "root.d")
-    log("data.img.zst")
-    e2fs = run("dpkg-query", "-W", "-f", "${Version}", "e2fsprogs", capture=True)
-    shutil.copy2(data_volume(work, e2fs), stage / "data.img.zst")
-    log("manifest")
-    write_manifest(stage, version, kver, inputs)
+    with step(f"kernel {kpkg} {kdebver}"):
+        kroot = extract_once(download_deb(debs, kpkg, kdebver), work / f"kernel-{kpkg}-{kdebver}")
+        if not (kroot / "lib/modules" / kver / "modules.dep").exists():
+            run("depmod", "-b", kroot, kver)
+        shutil.copy2(kroot / f"boot/vmlinuz-{kver}", stage / "vmlinuz")
+        (stage / "vmlinux").write_bytes(extract_vmlinux((stage / "vmlinuz").read_bytes()))
+    with step(f"busybox-static {bb}"):
+        bbroot = extract_once(download_deb(debs, "busybox-static", bb), work / f"busybox-{bb}")
+    with step("initramfs"):
+        make_initramfs(kroot, kver, bbroot, stage)
+    with step("debootstrap"):
+        tree = debootstrap(work, mirror(), packages)
+    with step("root"):
+        base = base_root(work, tree, kroot, kver)
+        stage_root(base, repo, stage / "root.d")
+    with step("root.erofs"):
+        run("mkfs.erofs", "--quiet", "-zlz4hc", "--preserve-mtime", "--all-root",
+            stage / "root.erofs", stage / "root.d")
+    with step("data.img.zst"):
+        e2fs = run("dpkg-query", "-W", "-f", "${Version}", "e2fsprogs", capture=True)
+        shutil.copy2(data_volume(work, e2fs), stage / "data.img.zst")
+    with step("manifest"):
+        write_manifest(stage, version, kver, inputs)
     return stage
 
 
@@ -460,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
             prune(guest_dir(args.prefix), args.keep_hours, [*STATE_DIRS, *args.state_dir])
         return 0
     repo = args.repo.resolve()
-    inputs = gather_inputs(repo)
+    with step("inputs"):
+        inputs = gather_inputs(repo)
     version = _plan.input_version(inputs)
     dest = guest_dir(args.prefix) / version
     if (dest / "manifest.json").exists() and not args.force:
@@ -473,9 +491,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             log(f"building version {version} in {args.work}")
             stage = build(repo, args.work, inputs, version)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            install(stage, dest)
-            shutil.rmtree(stage)
+            with step(f"install {dest}"):
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                install(stage, dest)
+                shutil.rmtree(stage)
             if not args.keep_all:
                 prune(dest.parent, args.keep_hours, [*STATE_DIRS, *args.state_dir])
     print(dest)

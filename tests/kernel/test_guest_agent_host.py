@@ -291,3 +291,38 @@ def test_freeze_and_thaw_of_the_data_volume(setup: dict[str, Any]) -> None:
 
     setup["agent"].run(scenario)
     assert (data / "during-freeze").read_text() == "x\n"
+
+
+def test_exec_runs_as_the_container_does(setup: dict[str, Any]) -> None:
+    """exec as docker exec: the container's working directory and environment (the image's and
+    the config's), each overridden by the call's, and a terminal of the size asked for."""
+    config = ContainerConfig("shell", setup["image"], ("/bin/sleep", "300"),
+                             env=("FROM_SPEC=spec",), working_dir="/tmp")  # fmt: skip
+    show = ["/bin/sh", "-c", "pwd; echo $FROM_IMAGE $FROM_SPEC"]
+    terminal = ["/bin/sh", "-c", "test -t 0 && test -t 1 && echo tty; busybox stty size; busybox tty"]
+
+    async def scenario(c: GuestClient) -> dict[str, Any]:
+        await c.create_container(config)
+        await c.start_container("shell")
+        try:
+            plain = await (await c.exec("shell", show)).communicate()
+            over = await (await c.exec("shell", show, ["FROM_SPEC=call"],
+                                       working_dir="/proc")).communicate()  # fmt: skip
+            tty = await (await c.exec("shell", terminal, tty=True, rows=33, cols=101)).communicate()
+            small = await (await c.exec("shell", terminal, tty=True)).communicate()
+            cat = await c.exec("shell", ["/bin/cat"], stdin=True, tty=True)
+            await cat.write_stdin(b"typed\n")
+            await cat.close_stdin()  # ^D on the terminal: cat's input ends
+            typed = await cat.communicate()
+        finally:
+            await c.delete_container("shell")
+        return {"plain": plain, "over": over, "tty": tty, "small": small, "typed": typed}
+
+    got = setup["agent"].run(scenario)
+    assert got["plain"].stdout == b"/tmp\nyes spec\n", got["plain"]
+    assert got["over"].stdout == b"/proc\nyes call\n", got["over"]
+    assert got["tty"].stdout.split(b"\r\n")[:2] == [b"tty", b"33 101"], got["tty"]
+    assert got["tty"].stdout.split(b"\r\n")[2].startswith(b"/dev/pts/"), got["tty"]
+    assert got["tty"].exit_code == 0 and got["tty"].stderr == b""
+    assert got["small"].stdout.split(b"\r\n")[1] == b"24 80", got["small"]
+    assert b"typed" in got["typed"].stdout and got["typed"].exit_code == 0, got["typed"]
