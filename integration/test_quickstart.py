@@ -46,7 +46,7 @@ class Node:
         self.ns, self.net_ns = f"feos-qsn-{tag}", f"feos-qsg-{tag}"
         self.dir = root / "local"
         self.reg = _registry.registry_for(self.dir / "quickstart")
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.stderr = root / "quickstart.err"
 
     def make(self) -> None:
@@ -70,22 +70,22 @@ class Node:
         argv = ["ip", "netns", "exec", self.ns, sys.executable, "-m", "feos.quickstart",
                 "--dir", str(self.dir), "--port", str(PORT)]
         with open(self.stderr, "a") as err:
-            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True,
-                                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err)
         return self._read_until("Ctrl-C stops it", timeout=900)
 
     def _read_until(self, marker: str, timeout: float) -> str:
+        """The quickstart's stdout until `marker` (os.read: no buffer that select cannot see)."""
         assert self.proc is not None and self.proc.stdout is not None
-        out, deadline = "", time.monotonic() + timeout
-        while marker not in out:
+        fd, out, deadline = self.proc.stdout.fileno(), b"", time.monotonic() + timeout
+        while marker.encode() not in out:
             left = deadline - time.monotonic()
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(left, 0))
-            line = self.proc.stdout.readline() if ready else ""
-            if not line:
-                raise AssertionError(f"no {marker!r} (exit {self.proc.poll()}):\n{out}\n"
-                                     f"{self.stderr.read_text()}")
-            out += line
-        return out
+            ready, _, _ = select.select([fd], [], [], max(left, 0))
+            chunk = os.read(fd, 65536) if ready else b""
+            if not chunk:
+                raise AssertionError(f"no {marker!r} (exit {self.proc.poll()}):\n"
+                                     f"{out.decode()}\n{self.stderr.read_text()}")
+            out += chunk
+        return out.decode()
 
     def interrupt(self) -> str:
         """SIGINT, as Ctrl-C; what it said while stopping."""
@@ -167,8 +167,9 @@ def test_the_main_command_serves_the_demo_finds_it_again_and_stops_clean(node: N
     assert "what stays" in said and f"the pod {POD_ID}, stopped" in said, said
     assert node.left() == [], said
 
+    before = len(node.stderr.read_text())
     out = node.start()
-    again = node.stderr.read_text()
+    again = node.stderr.read_text()[before:]
     assert "kept from before" in again and "already in the registry" in again, again
     assert "started again (it was stopped)" in again, again
     assert [p["id"] for p in node.ctl_json("pod", "list")] == [POD_ID]

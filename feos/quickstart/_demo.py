@@ -5,9 +5,9 @@ nothing about it is kept beside feosd's record):
 
 | found | done |
 | --- | --- |
-| none | `pod create POD_ID --publish PORT:8080 --image <registry>/feos/demo:1 --wait` |
+| none | `pod create POD_ID --publish PORT:8080 --env POD=POD_ID --image IMAGE --wait` |
 | running | adopted as it is |
-| pending | followed until running (`pod events`) |
+| pending | followed until running (`pod get` every half second) |
 | stopped, failed | `pod start --wait` |
 | suspended | `pod resume`, then followed |
 
@@ -58,7 +58,8 @@ def bring_up(node: Node, image: str, port: int) -> tuple[dict[str, Any], str]:
     state = None if pod is None else pod["state"]
     if state is None:
         _ctl_shown(node, "pod", "create", POD_ID, "--wait", "--memory", "256MiB",
-                   "--publish", f"{port}:{DEMO_PORT}", "--image", image)
+                   "--publish", f"{port}:{DEMO_PORT}", "--env", f"POD={POD_ID}",
+                   "--image", image)
         done = "created"
     elif state == "running":
         done = "adopted (it was running)"

@@ -2,7 +2,8 @@
 
 Nothing is downloaded: the one layer holds Debian's /bin/busybox (the busybox-static package) and
 its applets as symlinks, an /etc/passwd and a page. The container's command writes a page that
-names the pod (its hostname is the pod's ID) and runs `httpd -f` on DEMO_PORT. The layout is
+names the pod ($POD, which the quickstart sets to the pod's ID; else the hostname,
+which is the container's name) and runs `httpd -f` on DEMO_PORT. The layout is
 written to `<quickstart>/image` (oci-layout, index.json, blobs/sha256/...) with fixed timestamps,
 so the same busybox gives the same digest on every run; skopeo copies it to the local registry
 (`skopeo copy oci:DIR:TAG docker://HOST/REPO:TAG`) only when the registry lacks that digest.
@@ -23,8 +24,8 @@ DEMO_PORT = 8080
 REPOSITORY, TAG = "feos/demo", "1"
 APPLETS = ("sh", "echo", "cat", "mkdir", "hostname", "httpd", "wget", "ls", "ps", "sleep")
 _MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-SERVE = ("busybox mkdir -p /www && echo \"hello from pod $(busybox hostname), served by busybox"
-         f" httpd\" > /www/index.html && exec busybox httpd -f -p {DEMO_PORT} -h /www")
+SERVE = ("busybox mkdir -p /www && echo \"hello from pod ${POD:-$(busybox hostname)}, served by"
+         f" busybox httpd\" > /www/index.html && exec busybox httpd -f -p {DEMO_PORT} -h /www")
 
 
 def _tar(files: dict[str, bytes | str]) -> bytes:
