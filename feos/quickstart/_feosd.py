@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def has_option(name: str) -> bool:
     """Whether this feosd takes `name` (its --help lists it)."""
     done = subprocess.run([str(BIN / "feosd"), "--help"], capture_output=True, text=True,
                           timeout=60)
-    return name in done.stdout.split()
+    return re.search(rf"(^|[\s\[]){re.escape(name)}([\s\]=]|$)", done.stdout, re.M) is not None
 
 
 def start(node: Node, args: list[str]) -> subprocess.Popen[bytes]:

@@ -71,12 +71,12 @@ def run(opts: Options) -> int:
     feosd: subprocess.Popen[bytes] | None = None
     try:
         image = _image_ready(opts, reg)
-        feosd = _feosd_ready(opts, node)
+        feosd, web = _feosd_ready(opts, node)
         pod, done = _demo.bring_up(node, image, opts.port)
         say(f"the demo pod {_demo.POD_ID}: {done}")
         port = _demo.published_port(pod)
         page = _demo.wait_page(port)
-        _summary(opts, node, pod, port, page)
+        _summary(node, pod, port, page, web)
         _wait(feosd)
     except Stop as stop:
         say(f"{stop.args[0]}: stopping")
@@ -100,33 +100,32 @@ def _image_ready(opts: Options, reg: _registry.Registry) -> str:
     return _image.reference(reg.host)
 
 
-def _feosd_ready(opts: Options, node: Node) -> subprocess.Popen[bytes] | None:
+def _feosd_ready(opts: Options, node: Node) -> tuple[subprocess.Popen[bytes] | None, str | None]:
+    """feosd serving, and its web console's address (None: none, or not known)."""
     if _feosd.serving(node):
         say(f"feosd: found serving on {node.socket} (not started here: it stays running)")
-        return None
+        return None, None
     args = list(opts.feosd_args)
     if "--pod-prefix" not in args:
         prefix, made = _prefix.kept_prefix(opts.quickstart_dir / "prefix")
         say(f"pod prefix {prefix}: {'made now (RFC 4193)' if made else 'kept from before'}")
         args += ["--pod-prefix", str(prefix)]
-    # WEB: the web console. When this feosd has one (`feosd --help` lists --web), it serves on
-    # loopback at the quickstart's port; _summary prints its address. Without it, nothing.
-    if _web_on(args) and "--web" not in opts.feosd_args:
-        args += ["--web", f"127.0.0.1:{opts.web_port}"]
+    web_args, web = _web(opts)
     say(f"feosd: starting (log {node.log})")
-    return _feosd.start(node, args)
+    return _feosd.start(node, args + web_args), web
 
 
-def _web_on(args: list[str]) -> bool:
-    return "--web" in args or _feosd.has_option("--web")
-
-
-def _web_url(node: Node, opts: Options) -> str | None:
-    """The web console's address, when feosd serves one (WEB above)."""
-    if "--web" in opts.feosd_args:
-        address = opts.feosd_args[opts.feosd_args.index("--web") + 1]
-        return f"http://{address}/"
-    return f"http://127.0.0.1:{opts.web_port}/" if _feosd.has_option("--web") else None
+def _web(opts: Options) -> tuple[list[str], str | None]:
+    """WEB: the web console. When this feosd has one (`feosd --help` lists --web), the
+    quickstart turns it on on loopback at --web-port, unless feosd's arguments give --web
+    themselves; _summary prints its address. A feosd without --web gets nothing."""
+    given = list(opts.feosd_args)
+    if "--web" in given[:-1]:
+        return [], f"http://{given[given.index('--web') + 1]}/"
+    if not _feosd.has_option("--web"):
+        return [], None
+    address = f"127.0.0.1:{opts.web_port}"
+    return ["--web", address], f"http://{address}/"
 
 
 def node_addresses() -> list[str]:
@@ -154,7 +153,7 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ipaddress.ip_address(host).version == 6 else host
 
 
-def _summary(opts: Options, node: Node, pod: dict[str, Any], port: int, page: str) -> None:
+def _summary(node: Node, pod: dict[str, Any], port: int, page: str, web: str | None) -> None:
     ctl = f"{_feosd.BIN / 'feosctl'} --socket {node.socket}"
     lines = ["", f"The demo pod {_demo.POD_ID} is running and answers: {page}",
              f"  its addresses:   {pod.get('ipv6Address', '')}  {pod.get('ipv4Address', '')}",
@@ -163,7 +162,6 @@ def _summary(opts: Options, node: Node, pod: dict[str, Any], port: int, page: st
     lines += ["  try:", f"    {ctl} pod get {_demo.POD_ID}",
               f"    {ctl} pod exec {_demo.POD_ID} -- cat /www/index.html",
               f"    {ctl} pod events"]
-    web = _web_url(node, opts)
     if web:
         lines.append(f"  the web console: {web}")
     lines += ["Ctrl-C stops it: the pod is stopped (kept), then feosd and the registry.", ""]
