@@ -183,13 +183,15 @@ def _wait(feosd: subprocess.Popen[bytes] | None) -> None:
 
 def _teardown(node: Node, reg: _registry.Registry, feosd: subprocess.Popen[bytes] | None) -> None:
     stays = [f"the state directory {node.state_dir} (feosd's records and disks)",
-             f"the registry's data and the demo image in {reg.data.parent}"]
+             f"the prefix, the registry's data and the demo image in {reg.data.parent} "
+             "(the next run pushes nothing)"]
     if feosd is not None:
         if feosd.poll() is None:
             say(f"stopping the demo pod {_demo.POD_ID} (its record and disk stay)")
             _feosd.ctl(node, "pod", "stop", _demo.POD_ID, check=False, timeout=120)
         say(f"stopping feosd (exit {_feosd.stop(feosd)})")
-        stays.insert(0, f"the pod {_demo.POD_ID}, stopped: the next run starts it again")
+        stays.insert(0, f"the pod {_demo.POD_ID}, stopped, not suspended (it holds no process "
+                        "or memory with feosd gone): the next run starts it again")
     else:
         stays.insert(0, f"feosd on {node.socket} and its pods, as found: not started here")
     _registry.stop(reg)
