@@ -107,12 +107,30 @@ class Node:
         found: list[dict[str, object]] = json.loads(done)
         return found
 
+    def procs(self) -> list[tuple[int, str]]:
+        """The processes whose command line names the test's directory (feosd, docker-registry,
+        QEMU) or that run in the node namespace: (pid, comm). Found through /proc, because the
+        registry's namespace is mounted in the quickstart's mount namespace, not the test's."""
+        pids = {int(p) for p in sh("ip", "netns", "pids", self.ns, check=False).split()}
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                if str(self.dir).encode() in (proc / "cmdline").read_bytes():
+                    pids.add(int(proc.name))
+            except OSError:
+                continue
+        pids.discard(os.getpid())
+        found = []
+        for pid in sorted(pids):
+            try:
+                found.append((pid, Path(f"/proc/{pid}/comm").read_text().strip()))
+            except OSError:
+                continue
+        return found
+
     def left(self) -> list[str]:
-        """The processes still in the node namespace, and the registry's namespace if there."""
-        pids = sh("ip", "netns", "pids", self.ns).split()
-        names = [Path(f"/proc/{p}/comm").read_text().strip() for p in pids
-                 if Path(f"/proc/{p}").exists()]
-        if self.reg.namespace in sh("ip", "netns", "list"):
+        """What is still running, and the registry's namespace if it is still named."""
+        names = [comm for _, comm in self.procs()]
+        if (Path("/run/netns") / self.reg.namespace).exists():
             names.append(f"namespace {self.reg.namespace}")
         return names
 
@@ -122,10 +140,9 @@ class Node:
             self.proc.wait()
         for pid in qemu_pids(self.dir / "state").values():
             _kill(pid)
-        for pid in sh("ip", "netns", "pids", self.ns, check=False).split():
-            _kill(int(pid))
-        _registry.stop(self.reg)
-        for ns in (self.ns, self.net_ns):
+        for pid, _ in self.procs():
+            _kill(pid)
+        for ns in (self.reg.namespace, self.ns, self.net_ns):
             sh("ip", "netns", "delete", ns, check=False)
 
 
@@ -173,9 +190,8 @@ def test_the_main_command_serves_the_demo_finds_it_again_and_stops_clean(node: N
     assert "kept from before" in again and "already in the registry" in again, again
     assert "started again (it was stopped)" in again, again
     assert [p["id"] for p in node.ctl_json("pod", "list")] == [POD_ID]
-    registries = [p for p in sh("ip", "netns", "pids", node.reg.namespace).split()
-                  if Path(f"/proc/{p}/comm").read_text().strip() == "docker-registry"]
-    assert len(registries) == 1, registries
+    running = [comm for _, comm in node.procs()]
+    assert running.count("docker-registry") == 1 and running.count("feosd") == 1, running
     assert (node.dir / "quickstart/prefix").read_text() == prefix
     assert printed_urls(out) == urls
     got = {url: node.get(url) for url in urls}
