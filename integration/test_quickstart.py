@@ -93,6 +93,8 @@ class Node:
         before = len(self.stderr.read_text())
         self.proc.send_signal(signal.SIGINT)
         assert self.proc.wait(300) == 0, self.stderr.read_text()
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
         return self.stderr.read_text()[before:]
 
     def get(self, url: str) -> str:
@@ -135,9 +137,12 @@ class Node:
         return names
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
         for pid in qemu_pids(self.dir / "state").values():
             _kill(pid)
         for pid, _ in self.procs():
