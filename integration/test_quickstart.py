@@ -37,7 +37,8 @@ NODE_V6, GATEWAY_V6 = "2001:db8:1::2", "2001:db8:1::1"
 PORT = 18080
 GET = ("import http.client,sys,urllib.parse as u\n"
        "p=u.urlsplit(sys.argv[1]); c=http.client.HTTPConnection(p.hostname,p.port,timeout=10)\n"
-       "c.request('GET','/'); print(c.getresponse().read().decode().strip())\n")
+       "c.request('GET',p.path or '/'); r=c.getresponse()\n"
+       "print(r.status if sys.argv[2:] else r.read().decode().strip())\n")
 
 
 class Node:
@@ -97,8 +98,10 @@ class Node:
         self.proc.stdout.close()
         return self.stderr.read_text()[before:]
 
-    def get(self, url: str) -> str:
-        done = subprocess.run(["ip", "netns", "exec", self.ns, sys.executable, "-c", GET, url],
+    def get(self, url: str, *status: str) -> str:
+        """The page at url, fetched in the node namespace (its status with "status")."""
+        done = subprocess.run(["ip", "netns", "exec", self.ns, sys.executable, "-c", GET, url,
+                               *status],
                               capture_output=True, text=True, timeout=60)
         return done.stdout.strip() or done.stderr.strip().splitlines()[-1]
 
@@ -181,6 +184,9 @@ def test_the_main_command_serves_the_demo_finds_it_again_and_stops_clean(node: N
     want = f"hello from pod {POD_ID}"
     got = {url: node.get(url) for url in urls}
     assert all(page.startswith(want) for page in got.values()), got
+    # the web console, when this feosd has one (feosd --help lists --web)
+    for console in re.findall(r"the web console: (http://\S+)$", out, re.MULTILINE):
+        assert node.get(console, "status") == "200", console
     assert f"--socket {node.dir / 'run/api.sock'} pod get {POD_ID}" in out
     prefix = (node.dir / "quickstart/prefix").read_text()
     assert re.fullmatch(r"fd[0-9a-f]{2}:[0-9a-f]{1,4}:[0-9a-f]{1,4}::/64\n", prefix), prefix
