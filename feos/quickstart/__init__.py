@@ -31,7 +31,9 @@ __all__ = ["Options", "kept_prefix", "main", "parse", "run", "ula_prefix"]
 
 def parse(argv: Sequence[str] | None = None) -> Options:
     """The quickstart's options; what it does not know goes to feosd as it is."""
+    # no abbreviations: feosd's --web must not be taken for --web-port
     p = argparse.ArgumentParser(prog="hack/run", description=__doc__.split("\n")[0],
+                                allow_abbrev=False,
                                 epilog="Other arguments are feosd's, passed on (feosd --help).")
     env = os.environ.get
     p.add_argument("--dir", type=Path, default=Path(env("FEOS_QUICKSTART_DIR", "local")),

@@ -16,7 +16,7 @@ from feos.quickstart._image import write_layout
 def test_a_ula_is_fd_the_global_id_and_the_subnet() -> None:
     assert ula_prefix(0x1234567890) == ipaddress.IPv6Network("fd12:3456:7890::/64")
     assert ula_prefix(0xFFFFFFFFFF, 7) == ipaddress.IPv6Network("fdff:ffff:ffff:7::/64")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="40-bit global ID"):
         ula_prefix(1 << 40)
 
 
@@ -40,3 +40,16 @@ def test_unknown_options_go_to_feosd(tmp_path: Path) -> None:
     opts = parse(["--dir", str(tmp_path), "--port", "9090", "--tcp", "127.0.0.1:1337"])
     assert (opts.directory, opts.port, opts.feosd_args) == (tmp_path, 9090,
                                                              ("--tcp", "127.0.0.1:1337"))
+
+
+def test_the_web_console_is_asked_for_only_when_feosd_has_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from feos.quickstart import _feosd, _run
+
+    opts = parse(["--dir", str(tmp_path), "--web-port", "8181"])
+    monkeypatch.setattr(_feosd, "has_option", lambda name: False)
+    assert _run._web(opts) == ([], None)
+    monkeypatch.setattr(_feosd, "has_option", lambda name: name == "--web")
+    assert _run._web(opts) == (["--web", "127.0.0.1:8181"], "http://127.0.0.1:8181/")
+    given = parse(["--dir", str(tmp_path), "--web", "127.0.0.1:9999"])
+    assert _run._web(given) == ([], "http://127.0.0.1:9999/")
