@@ -71,16 +71,23 @@ def start(node: Node, args: list[str]) -> subprocess.Popen[bytes]:
     with open(node.log, "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait_serving(node, proc)
+    except BaseException:  # a signal (the quickstart's Stop) too: no feosd left behind
+        stop(proc)
+        raise
+    return proc
+
+
+def _wait_serving(node: Node, proc: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + _SERVE_WAIT
     while not serving(node):
         if proc.poll() is not None:
             raise FeosError(Code.FAILED_PRECONDITION,
                             f"feosd ended with {proc.returncode}: {_tail(node.log)}")
         if time.monotonic() > deadline:
-            stop(proc)
             raise FeosError(Code.UNAVAILABLE, f"feosd did not serve in {_SERVE_WAIT:.0f} s")
         time.sleep(0.1)
-    return proc
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 120.0) -> int:

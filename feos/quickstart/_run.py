@@ -2,10 +2,10 @@
 
 The order, each step finding what is there before it makes anything:
 
-1. the prefix: `--pod-prefix` among feosd's arguments, else the one kept in the quickstart's
-   directory (made once, _prefix);
-2. the registry: its namespace and docker-registry (_registry), then the demo image's OCI layout
+1. the registry: its namespace and docker-registry (_registry), then the demo image's OCI layout
    (_image), pushed with skopeo only when the registry lacks its digest;
+2. the prefix: `--pod-prefix` among feosd's arguments, else the one kept in the quickstart's
+   directory (made once, _prefix);
 3. feosd: the one serving on the run directory's socket, else one started here with the prefix
    (and `--web 127.0.0.1:PORT` when this feosd has a web console: see WEB below);
 4. the demo pod (_demo), its page fetched on 127.0.0.1, then the summary printed;
