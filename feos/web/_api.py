@@ -11,6 +11,7 @@ services' signatures change, this module alone changes.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -77,13 +78,12 @@ class Api:
         """One unary call of the console's table; FeosError as the API raises it."""
         if (service, method) not in CALLS:
             raise FeosError(Code.NOT_FOUND, f"{service}.{method}: not a call of the console")
-        answer: dict[str, Any] = await self._handler(service, method)(params)
-        return answer
+        return await _called(self._handler(service, method), params, self.bridge)
 
     async def events(self, pod_id: str = "") -> AsyncIterator[list[dict[str, Any]]]:
         """WatchEvents' stream, batch by batch, until feosd stops or the caller leaves."""
-        answer = await self._handler("pods", "watchEvents")({"podId": pod_id})
-        stream = _impl(answer)
+        stream = _impl(await _called(self._handler("pods", "watchEvents"), {"podId": pod_id},
+                                     self.bridge))
         try:
             while True:
                 batch = await self._pull(stream.next, {"max": 256})
@@ -97,7 +97,7 @@ class Api:
     async def bytes(self, name: str, params: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """A ByteStream (a container's logs, the serial console) read to its end."""
         service, method = STREAMS[name]
-        stream = _impl(await self._handler(service, method)(params))
+        stream = _impl(await _called(self._handler(service, method), params, self.bridge))
         try:
             while True:
                 chunk = await self._pull(stream.read, {})
@@ -115,6 +115,34 @@ class Api:
             return result
         pulled: dict[str, Any] = await fn(params)
         return pulled
+
+
+async def _called(target: Any, params: dict[str, Any],
+                  bridge: CapnpThread | None = None) -> dict[str, Any]:
+    """As the RPC server calls a handler: one marked `on_rpc_thread` on the Cap'n Proto thread
+    (where its answers, Cap'n Proto readers, are read back as dicts), any other in trio."""
+    if getattr(target, "_feos_rpc_thread", False) and bridge is not None:
+        return dict(await bridge.call(_on_rpc_thread, target, params))
+    return dict(plain(await _maybe_await(target(params))))
+
+
+async def _on_rpc_thread(target: Any, params: dict[str, Any]) -> dict[str, Any]:
+    return dict(plain(await _maybe_await(target(params))))
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def plain(value: Any) -> Any:
+    """An answer with every Cap'n Proto reader in it as its dict (a Cap is kept as it is)."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if hasattr(value, "to_dict") and not isinstance(value, Cap):
+        return value.to_dict()
+    return value
 
 
 def _impl(answer: dict[str, Any]) -> Any:
