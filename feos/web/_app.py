@@ -99,6 +99,8 @@ class ConsoleApp:
         method, path = scope["method"], scope["path"]
         refusal = self.guard.refusal(method, _headers(scope))
         if refusal is not None and not (path == "/login" and method == "GET"):
+            origin = _headers(scope).get("origin", "no origin")
+            log.info("refused %s %s from %s: %s", method, path, origin, refusal[1])
             await _respond(send, refusal[0], refusal[1].encode(), "text/plain; charset=utf-8")
             return
         await self.route(method, path, scope, receive, send)
