@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs
+
+import trio
 
 from ..errors import Code, FeosError
 from ._api import CALLS, Api, error_answer
@@ -116,9 +118,9 @@ class ConsoleApp:
         elif method == "POST" and path.startswith("/api/"):
             await self.call(path[5:], receive, send)
         elif method == "GET" and path == "/events":
-            await self.events(send)
+            await _until_disconnect(receive, self.events(send))
         elif method == "GET" and path.startswith("/stream/"):
-            await self.stream(path[8:], _query(scope), send)
+            await _until_disconnect(receive, self.stream(path[8:], _query(scope), send))
         else:
             await _respond(send, 404, b"not found", "text/plain; charset=utf-8")
 
@@ -170,6 +172,23 @@ class ConsoleApp:
         except FeosError as exc:
             await _sse(send, error_answer(exc))
         await send({"type": "http.response.body", "body": b"event: end\ndata: {}\n\n"})
+
+
+async def _until_disconnect(receive: Receive, work: Coroutine[Any, Any, None]) -> None:
+    """Run a stream's `work` until it ends or the browser goes away (its watcher let go then)."""
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            nursery.cancel_scope.cancel()
+
+        async def run() -> None:
+            await work
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        nursery.start_soon(run)
 
 
 async def _sse_start(send: Send) -> None:

@@ -156,6 +156,7 @@ function renderPods() {
   const list = [...pods.values()].sort((a, b) => b.createdUnixNs - a.createdUnixNs);
   $("#pods").innerHTML = list.map((p) => `<article id="pod-${esc(p.id)}" class="card pod" data-pod="${esc(p.id)}">${podCard(p)}</article>`).join("");
   $("#pods").dataset.count = String(list.length);
+  window.podsRenderedAt = performance.now();  // for bench/console.py: from navigation start
 }
 
 async function loadPod(id) {
@@ -171,10 +172,13 @@ function onEvent(e) {
     document.getElementById("pod-" + e.podId)?.remove();
     return;
   }
-  const pod = pods.get(e.podId);
-  if (pod) { Object.assign(pod, {state: e.state, reason: e.reason, step: e.step}); renderPod(pod); }
+  // A pod not seen yet gets a card from its event at once; GetPod fills it in.
+  const pod = pods.get(e.podId) || {id: e.podId, createdUnixNs: e.timeUnixNs,
+    spec: {containers: [], vcpus: "?", memoryMib: "?", network: {}}};
+  Object.assign(pod, {state: e.state, reason: e.reason, step: e.step});
+  pods.set(e.podId, pod); renderPod(pod);
   clearTimeout(refresh.get(e.podId));
-  refresh.set(e.podId, setTimeout(() => loadPod(e.podId), pod ? 150 : 0));
+  refresh.set(e.podId, setTimeout(() => loadPod(e.podId), 100));
 }
 
 async function act(card, action) {
