@@ -48,6 +48,7 @@ def _config(host: str, port: int) -> Config:
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
+    config.errorlog = logging.getLogger("feosd.web.http")  # feosd's own log, not a second one
     config.keep_alive_timeout = 75
     return config
 
