@@ -13,8 +13,7 @@ from typing import Any
 from .. import _schema
 from ..errors import Code, FeosError
 from ..rpc import Cap
-from ..vmm import VmState
-from ..vmm._console import SerialLog, serial_log_path
+from ..vmm import SerialLog, VmState, serial_log_path
 
 
 async def console_log(pods: Any, vms: Any, params: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,8 @@ from . import _cgroup, _jail
 from ._budget import SuspendBudget as SuspendBudget
 from ._budget import suspend_budget as suspend_budget
 from ._budget import suspend_budget_mib as suspend_budget_mib
+from ._console import SerialLog as SerialLog
+from ._console import serial_log_path as serial_log_path
 from ._driver import Adopted as Adopted
 from ._driver import Driver as Driver
 from ._driver import Exit as Exit

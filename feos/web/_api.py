@@ -19,8 +19,7 @@ import attrs
 
 from .._codec import snake
 from ..errors import Code, FeosError
-from ..rpc import Cap, CapnpThread
-from ..rpc._server import status_dict
+from ..rpc import Cap, CapnpThread, status_dict
 
 # What the console may call: (service, method) -> whether the call changes anything.
 CALLS: dict[tuple[str, str], bool] = {
@@ -67,7 +66,7 @@ class Api:
         impl = self.services.get(service)
         target = getattr(impl, snake(method), None) if impl is not None else None
         if target is None and (service, method) == ("pods", "consoleLog"):
-            from ..pods._console import console_log
+            from ..pods import console_log
 
             return lambda params: console_log(impl, self.vms, params)
         if target is None:
