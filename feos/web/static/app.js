@@ -116,7 +116,8 @@ function urls(pod) {
   });
 }
 
-function podCard(pod) {
+// A card: its view (redrawn on every change) and its buttons (drawn once, so a click lands).
+function podView(pod) {
   const c = (pod.containers || []);
   const containers = pod.spec.containers.map((s) => {
     const st = c.find((x) => x.name === s.name);
@@ -134,12 +135,16 @@ function podCard(pod) {
       <dt>size</dt><dd>${pod.spec.vcpus} CPU · ${pod.spec.memoryMib} MiB</dd>
       ${links ? `<dt>published</dt><dd>${links}</dd>` : ""}
       <dt>containers</dt><dd><ul class="events">${containers}</ul></dd></dl>
+    <ul class="events" data-events>${evs}</ul>`;
+}
+
+function podCard(pod) {
+  return `<div class="view">${podView(pod)}</div>
     <div class="actions">
       ${["start", "stop", "suspend", "resume"].map((a) => `<button class="quiet" data-act="${a}">${a}</button>`).join("")}
       <button class="danger" data-act="delete">delete</button>
       <a href="#log/console/${esc(pod.id)}">console log</a></div>
-    <p class="error"></p>
-    <ul class="events" data-events>${evs}</ul>`;
+    <p class="error"></p>`;
 }
 
 function renderPod(pod) {
@@ -147,9 +152,13 @@ function renderPod(pod) {
   if (!card) {
     card = document.createElement("article");
     card.id = "pod-" + pod.id; card.className = "card pod"; card.dataset.pod = pod.id;
+    card.innerHTML = podCard(pod);
     $("#pods").prepend(card);
+    return;
   }
-  card.innerHTML = podCard(pod);
+  const view = document.createElement("div");
+  view.className = "view"; view.innerHTML = podView(pod);
+  card.querySelector(".view").replaceWith(view);
 }
 
 function renderPods() {
