@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -145,6 +146,7 @@ def main() -> None:
         driver.quit()
         node.stop(120)
         end_microvms(node.state_dir)
+        shutil.rmtree(root, ignore_errors=True)
     page = statistics.median(loads)
     event = p95(latencies)
     print(f"pods page at {args.pods} pods: median {page:.1f} ms, least {min(loads):.1f} ms, "
