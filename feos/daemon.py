@@ -72,6 +72,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the API socket api.sock and runtime state (default /run/feos)",
     )
     p.add_argument("--tcp", metavar="ADDRESS", help="also serve the API on TCP, such as [::]:1337")
+    p.add_argument("--web", metavar="ADDRESS:PORT",
+                   help="serve the web console, such as 127.0.0.1:8080 (off loopback: a token)")
     p.add_argument(
         "--self-upgrade",
         action="store_true",
@@ -116,6 +118,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             args.tcp_address = parse_tcp(args.tcp)
         except ValueError as exc:
             p.error(f"--tcp: {exc}")
+    if args.web is not None:
+        from .web import parse_web_address
+
+        try:
+            args.web_address = parse_web_address(args.web)
+        except ValueError as exc:
+            p.error(f"--web: {exc}")
     try:
         args.network = network_options_from_args(args)
     except FeosError as exc:
@@ -313,6 +322,8 @@ class Daemon:
             socks = self.listeners.values()
             servers = [await bridge.call(listen, sock, bootstrap) for sock in socks]
             log.info("serving the API on %s", ", ".join(_where(s) for s in self.listeners.values()))
+            if self.args.web is not None:
+                await nursery.start(self.serve_web, bridge)
             if self.args.control_plane:
                 log.warning("--control-plane %s: the control-plane link is not built yet; "
                             "the node stays on its own", self.args.control_plane)
@@ -341,6 +352,15 @@ class Daemon:
                 with trio.move_on_after(max(1.0, grace - 10)):
                     await self.stop_record.suspend_all(self.pods)
             await self.pods.finish_changes(max(0.0, end - trio.current_time()))
+
+    async def serve_web(self, bridge: CapnpThread, *, task_status: Any) -> None:
+        """The web console (feos.web) over the same service objects as the API's bootstrap."""
+        from .web import Api, serve_console
+
+        services = {"pods": self.pods, "volumes": self.volumes, "securityGroups": self.groups,
+                    "names": self.names}
+        api = Api(services, bridge, vms=self.vms)
+        await serve_console(api, self.state_dir, self.args.web_address, task_status=task_status)
 
     async def guest_network(self, vm_id: str) -> Any:
         return await self.pods.guest_network(vm_id) if self.pods is not None else None

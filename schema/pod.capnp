@@ -153,4 +153,6 @@ interface PodService {
   podLogs @11 (id :Text, container :Text, follow :Bool) -> (status :Common.Status, stream :ByteStream);
   watchEvents @12 (podId :Text) -> (status :Common.Status, stream :EventStream);
   # podId empty: every pod's events
+  consoleLog @13 (id :Text, follow :Bool) -> (status :Common.Status, stream :ByteStream);
+  # the microVM's serial console since its last boot (stdout only); follow: until it stops
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._console import console_log as console_log
     from ._service import PodService as PodService
     from ._spec import new_pod_id as new_pod_id
     from ._stop import SuspendedForStop as SuspendedForStop
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "PodService": "_service", "new_pod_id": "_spec", "SuspendedForStop": "_stop",
-    "VolumeService": "_volumes",
+    "VolumeService": "_volumes", "console_log": "_console",
 }  # fmt: skip
 
 

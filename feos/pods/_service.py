@@ -52,6 +52,7 @@ from ._changes import (
     lock_wait_s,
     suspend_s,
 )
+from ._console import console_log
 from ._disks import remove_pod_disk
 from ._events import EventHub
 from ._netface import NetworkFace, naming
@@ -475,6 +476,10 @@ class PodService:
         guest = await self._running_guest(req.id)
         stream = await guest.call(open_logs, guest.client, req.container, req.follow)
         return {"stream": Cap(_schema.pod().ByteStream, stream)}
+
+    async def console_log(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The microVM's serial console, followed if asked (feos.pods._console)."""
+        return await console_log(self, self._vms, params)
 
     @edge(WatchEvents)
     async def watch_events(self, req: WatchEvents) -> dict[str, Any]:

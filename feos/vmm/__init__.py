@@ -12,6 +12,8 @@ from ._budget import suspend_budget_mib as suspend_budget_mib
 from ._choice import VmmChoice as VmmChoice
 from ._choice import choose_vmm as choose_vmm
 from ._choice import vmm_name as vmm_name
+from ._console import SerialLog as SerialLog
+from ._console import serial_log_path as serial_log_path
 from ._driver import Adopted as Adopted
 from ._driver import Driver as Driver
 from ._driver import Exit as Exit
