@@ -29,7 +29,6 @@ from typing import Any
 import attrs
 import trio
 
-from feos._sockpath import reachable
 from feos.errors import Code, FeosError
 
 log = logging.getLogger("feos.vmm.guest")
@@ -129,39 +128,9 @@ async def connect_poking(path: str, deadline: float = ATTACH_S) -> Any:
     A resumed agent is in a session it believes live and says hello only when poked; a fresh
     one takes a poke before its session's first message as answered (docs/guest.md), so the
     early poke costs a booting guest nothing and saves a resumed one the second."""
-    import asyncio
-    import secrets
-    import socket
+    from feos.guestlink import GuestClient
 
-    from feos.guest import GUEST_HELLO, Pump, node_poke
-    from feos.guestlink import GuestClient, SwapLink
-
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.setblocking(False)
-    try:
-        async with asyncio.timeout(deadline):
-            with reachable(path) as short:
-                await asyncio.get_running_loop().sock_connect(sock, short)
-            link = SwapLink(sock)
-            await link.send(node_poke(secrets.token_hex(8)))
-            pump = Pump(link)
-            hello = await pump.next_line(GUEST_HELLO)
-            client = GuestClient(hello)
-            await client._rpc(link, pump)
-            return client
-    except TimeoutError:
-        sock.close()
-        message = f"the guest did not answer within {deadline:g}s"
-        raise FeosError(Code.UNAVAILABLE, message) from None
-    except EOFError:
-        sock.close()
-        raise FeosError(Code.UNAVAILABLE, "the guest link closed before the hello") from None
-    except OSError as exc:
-        sock.close()
-        raise FeosError(Code.UNAVAILABLE, f"the guest link {path}: {exc.strerror or exc}") from None
-    except BaseException:
-        sock.close()
-        raise
+    return await GuestClient.connect(path, deadline=deadline, poke_first=True)
 
 
 async def _wait_ended(client: Any) -> None:
