@@ -218,7 +218,12 @@ class GuestClient:
     async def _rpc(self, link: Link, pump: Pump) -> None:
         ours, theirs = socket.socketpair()
         self._link = link
-        self._stream = await capnp.AsyncIoStream.create_connection(sock=ours)
+        try:
+            self._stream = await capnp.AsyncIoStream.create_connection(sock=ours)
+        except BaseException:  # cancelled or failed before the session holds them
+            ours.close()
+            theirs.close()
+            raise
         self._server = capnp.TwoPartyServer(self._stream, bootstrap=_NodeServer(self._attached))
         self._guest = self._server.bootstrap().cast_as(guest.GuestService)
         self._pump = asyncio.ensure_future(pump.session(theirs, GUEST_HELLO, first_ignored=False))
@@ -254,6 +259,9 @@ class GuestClient:
         except OSError as e:
             sock.close()
             raise FeosError(Code.UNAVAILABLE, f"the guest link {path}: {e.strerror or e}") from None
+        except BaseException:  # cancelled: the socket is nobody's
+            sock.close()
+            raise
         self._link.rebind(sock)
 
     async def unpark(self) -> None:
