@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -170,7 +171,7 @@ async def _scrubbed(coro: Coroutine[Any, Any, T]) -> T:
     no traceback of this thread: its message says what failed.
     """
     try:
-        return await coro
+        result = await coro
     except BaseException as e:
         seen: set[int] = set()
         link: BaseException | None = e
@@ -180,6 +181,21 @@ async def _scrubbed(coro: Coroutine[Any, Any, T]) -> T:
             link = link.__cause__ or link.__context__
         e.with_traceback(None)
         raise
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        await _close_unclaimed(result)
+    return result
+
+
+async def _close_unclaimed(result: Any) -> None:
+    """A result that came although its caller went (the bridge's cancel lost the race with
+    the coroutine's end, and asyncio drops what a cancelled call returns) is nobody's: one with
+    an async close() (a guest's session and its socket) is closed here, on its own thread,
+    rather than left to the collector."""
+    close = getattr(result, "close", None)
+    if close is not None and asyncio.iscoroutinefunction(close):
+        with contextlib.suppress(Exception):
+            await close()
 
 
 @asynccontextmanager

@@ -83,6 +83,28 @@ async def test_cancelling_the_trio_wait_cancels_the_asyncio_task() -> None:
         assert cancelled.is_set()
 
 
+async def test_a_result_its_caller_left_is_closed() -> None:
+    async with capnp_thread() as bridge:
+        started, closed = threading.Event(), threading.Event()
+
+        class Session:
+            async def close(self) -> None:
+                closed.set()
+
+        async def stubborn() -> Session:
+            started.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                pass  # ends with a result all the same, as a dial that connected just then
+            return Session()
+
+        with trio.move_on_after(0.2):
+            await bridge.call(stubborn)
+        assert started.is_set()
+        assert await trio.to_thread.run_sync(closed.wait, 5)
+
+
 async def test_to_trio_round_trip_and_errors() -> None:
     async with capnp_thread() as bridge:
 
