@@ -1,0 +1,124 @@
+@0xd41c7a9b3e05f812;
+# diskd's API on <disk-state-dir>/diskd.sock (docs/disk.md): the pods' and the volumes' disks as
+# stacks of content-addressed read-only layers under a writable top of the disk's own, and the
+# layers' way to and from the object store. feosd is its one client in production; diskctl looks.
+
+using Common = import "common.capnp";
+
+enum DiskKind {
+  pod @0;      # a pod's data disk: made on a guest's blank data volume (its L0) or a baked layer
+  volume @1;   # a volume: made on the volumes' empty L0, outlives the pods it is attached to
+}
+
+enum DiskState {
+  stopped @0;  # no VMM may open it; nothing of it runs
+  started @1;  # served: `path` is what the VMM opens, in `format`
+}
+
+enum Format {
+  qcow2 @0;    # the top of a qcow2 backing chain the VMM opens itself (QEMU)
+  raw @1;      # a raw file: the chain exported by a data-path process (Firecracker opens raw only)
+}
+
+struct Layer {
+  digest @0 :Text;         # "sha256:<64 hex>" of the layer's file, as stored
+  parent @1 :Text;         # the layer beneath it; "" for an L0
+  sizeBytes @2 :UInt64;    # the layer file's bytes (what a push moves)
+  virtualBytes @3 :UInt64; # the size of the disk it describes
+  guest @4 :Text;          # the guest version it is made for; "" for the volumes' empty L0
+  image @5 :Text;          # the image reference baked into it; "" for an L0
+  pushed @6 :Bool;         # its manifest and chunks are in the object store
+  disks @7 :UInt32;        # disks whose stack holds it (a layer with disks is never collected)
+  createdUnixNs @8 :Int64;
+}
+
+struct Disk {
+  id @0 :Text;             # a pod's ID or a volume's UUID (one namespace: they cannot collide)
+  kind @1 :DiskKind;
+  sizeBytes @2 :UInt64;    # what the VMM sees
+  base @3 :Text;           # the digest of the layer right under the top; "" for a disk taken
+                           # over from a plain file (its top is that file, raw, with no layers)
+  layers @4 :List(Text);   # the whole stack beneath the top, nearest first
+  state @5 :DiskState;
+  path @6 :Text;           # while started: the file the VMM opens
+  format @7 :Format;       # of path
+  ownerUid @8 :UInt32;     # while started: the user the VMM runs as, who may open path
+  allocatedBytes @9 :UInt64; # the top's own blocks (a new disk's are a few KiB: no copy)
+  vmm @10 :Text;           # while started: "qemu" or "firecracker"
+  dataPathPid @11 :UInt32; # while started raw: the process that serves it (0 when the VMM
+                           # opens the chain itself)
+}
+
+struct StoreInfo {
+  configured @0 :Bool;     # false: no bucket; push, pull and baking say why they cannot
+  bucket @1 :Text;
+  endpoint @2 :Text;       # "" for AWS's own
+  reason @3 :Text;         # why not configured, for people
+}
+
+struct CacheInfo {
+  limitBytes @0 :UInt64;   # the chunk cache's size limit (--cache-size)
+  usedBytes @1 :UInt64;
+  chunks @2 :UInt32;
+  evictedChunks @3 :UInt64; # since diskd started
+}
+
+struct DiskdInfo {
+  version @0 :Text;
+  pid @1 :UInt32;
+  stateDir @2 :Text;
+  store @3 :StoreInfo;
+  cache @4 :CacheInfo;
+  ublk @5 :Text;           # "available" or why the ublk data path cannot run here
+}
+
+interface DiskService {
+  info @0 () -> (status :Common.Status, info :DiskdInfo);
+
+  importLayer @1 (path :Text, guest :Text) -> (status :Common.Status, layer :Layer);
+  # An L0 from a guest version's blank data volume (path: its data.img.zst, or a raw image).
+  # Idempotent: the same file gives the same layer. INVALID_ARGUMENT: path is not such a file.
+
+  createDisk @2 (id :Text, kind :DiskKind, sizeBytes :UInt64, base :Text)
+      -> (status :Common.Status, disk :Disk);
+  # A new disk: an empty top on the layer `base` (a digest diskd has; "" for a volume: the
+  # volumes' empty L0), grown to sizeBytes when that is larger than the base. No data is copied.
+  # ALREADY_EXISTS: a disk with the ID exists (its answer is the disk as it is);
+  # NOT_FOUND: no such layer; INVALID_ARGUMENT: a bad ID or size.
+
+  adoptDisk @3 (id :Text, kind :DiskKind, path :Text) -> (status :Common.Status, disk :Disk);
+  # Take over a plain raw file made before diskd (a pod's <state>/disk/pods/<id>.img, a volume's
+  # <state>/volumes/<id>.disk): moved into diskd's directory on the same filesystem, never copied
+  # nor lost. Idempotent: a disk already adopted answers as it is.
+
+  startDisk @4 (id :Text, vmm :Text, ownerUid :UInt32) -> (status :Common.Status, disk :Disk);
+  # Serve the disk to a VMM ("qemu" or "firecracker") that runs as ownerUid. Started already for
+  # the same VMM and user: answers as it is. FAILED_PRECONDITION: started for another.
+
+  stopDisk @5 (id :Text) -> (status :Common.Status, disk :Disk);
+  # Its data path flushed to stable storage and ended. Stopped already: answers as it is.
+
+  deleteDisk @6 (id :Text) -> (status :Common.Status);
+  # Stops it first. NOT_FOUND answers nothing else: a delete that comes again is harmless.
+
+  getDisk @7 (id :Text) -> (status :Common.Status, disk :Disk);
+  listDisks @8 () -> (status :Common.Status, disks :List(Disk));
+  listLayers @9 () -> (status :Common.Status, layers :List(Layer));
+
+  bake @10 (id :Text, image :Text) -> (status :Common.Status, layer :Layer);
+  # Seal the disk's top as a read-only layer on its base (the pod's filesystem frozen by the
+  # caller): the disk goes on on its own top, the layer is shared by the disks made on it next.
+
+  push @11 (digest :Text) -> (status :Common.Status, layer :Layer);
+  # The layer and the layers beneath it into the object store (chunks, then the manifest; three
+  # tries each, then the store's own message). FAILED_PRECONDITION: no object store.
+
+  pull @12 (digest :Text) -> (status :Common.Status, layer :Layer);
+  # The layer (and those beneath it that diskd lacks) from the object store, every chunk checked
+  # against its digest. Has it already: answers at once. NOT_FOUND: the store has no such layer.
+
+  collect @13 () -> (status :Common.Status, layersRemoved :UInt32, chunksEvicted :UInt32,
+                     bytesFreed :UInt64);
+  # Garbage collection now: layers no disk stands on (but the L0s of installed guests) and
+  # cached chunks of no layer; diskd also runs it after a delete and when the cache is full.
+}
