@@ -354,10 +354,7 @@ class ObjectStore:
     def get_manifest(self, digest: str) -> LayerManifest:
         """The layer's manifest; NOT_FOUND when the store has none, DATA_LOSS when it is bad."""
         key = self.manifest_key(digest)
-        try:
-            data = self._get(key)
-        except StoreFailure as failure:
-            raise self._unavailable(f"GET {key}", failure) from None
+        data = self._request(f"manifest {key}", lambda: self._get(key))
         if data is None:
             raise FeosError(Code.NOT_FOUND, f"{self._where} has no layer {digest}")
         try:
@@ -382,7 +379,9 @@ class ObjectStore:
     def push_layer(self, layer_path: Path, manifest: LayerManifest) -> LayerManifest:
         """Upload the layer file's chunks the store lacks, then its manifest (returned, with
         size_bytes, chunk_size and chunks filled in). DATA_LOSS: the file is not `digest`."""
-        digest_hex(manifest.digest, "manifest.digest")
+        key = self.manifest_key(manifest.digest)
+        # first, and with a GET: an error's body has the store's words (a HEAD's has none)
+        there = self._request(f"manifest {key}", lambda: self._get(key))
         pushed = _PushedChunks()
         fd = os.open(layer_path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -390,15 +389,15 @@ class ObjectStore:
             whole = hashlib.sha256()
             chunks: list[str | None] = []
 
-            def data_chunks() -> Iterator[tuple[str, bytes]]:
+            def new_chunks() -> Iterator[tuple[str, bytes]]:
                 for chunk in read_chunks(fd, size, CHUNK_SIZE):
                     whole.update(zeroes(chunk.length) if chunk.data is None else chunk.data)
                     hex_ = None if chunk.data is None else chunk_hex(chunk.data)
-                    chunks.append(hex_)
-                    if chunk.data is not None and hex_ is not None:
+                    if chunk.data is not None and hex_ is not None and hex_ not in chunks:
                         yield hex_, chunk.data
+                    chunks.append(hex_)
 
-            for _ in self._ordered(lambda item: self._push_chunk(*item, pushed), data_chunks()):
+            for _ in self._ordered(lambda item: self._push_chunk(*item, pushed), new_chunks()):
                 pass
         finally:
             os.close(fd)
@@ -406,30 +405,25 @@ class ObjectStore:
             raise FeosError(Code.DATA_LOSS, f"layer file {layer_path} is sha256:"
                             f"{whole.hexdigest()}, not {manifest.digest}")  # fmt: skip
         done = attrs.evolve(manifest, size_bytes=size, chunk_size=CHUNK_SIZE, chunks=tuple(chunks))
-        self._put_manifest(done)
+        if there is None or not _same_layer(there, done):
+            self._request(f"manifest {key}", lambda: self._put(key, done.to_json()))
         log.info("%s: pushed %s: %d chunks, %d uploaded (%d bytes)", self._where, done.digest,
                  len(chunks), pushed.count, pushed.bytes)  # fmt: skip
         return done
 
     def _push_chunk(self, hex_: str, data: bytes, pushed: _PushedChunks) -> None:
         key = self.chunk_key(hex_)
-        try:
-            if self._has(key):
-                return
-            self._put(key, data)
-        except StoreFailure as failure:
-            raise self._unavailable(f"chunk {hex_}", failure) from None
+        if self._request(f"chunk {hex_}", lambda: self._has(key)):
+            return
+        self._request(f"chunk {hex_}", lambda: self._put(key, data))
         pushed.add(len(data))
 
-    def _put_manifest(self, manifest: LayerManifest) -> None:
-        key = self.manifest_key(manifest.digest)
+    def _request(self, what: str, request: Callable[[], T]) -> T:
+        """request(), its StoreFailure told as UNAVAILABLE with the store's words."""
         try:
-            there = self._get(key)
-            if there is not None and _same_layer(there, manifest):
-                return
-            self._put(key, manifest.to_json())
+            return request()
         except StoreFailure as failure:
-            raise self._unavailable(f"manifest {key}", failure) from None
+            raise self._unavailable(what, failure) from None
 
     # -- pull
 
@@ -460,7 +454,9 @@ class ObjectStore:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, manifest.size_bytes)
-            fetched = self._ordered(lambda h: self._chunk(h, cache, manifest), manifest.chunks)
+            flights = _Flights()
+            fetched = self._ordered(lambda h: self._chunk(h, cache, manifest, flights),
+                                    manifest.chunks)  # fmt: skip
             with contextlib.closing(fetched):  # a failure here ends the fetches now
                 self._write_chunks(fd, manifest, fetched)
             os.fchmod(fd, 0o444)
@@ -483,14 +479,31 @@ class ObjectStore:
             raise FeosError(Code.DATA_LOSS, f"layer {manifest.digest} assembled from its "
                             f"chunks is sha256:{whole.hexdigest()}")  # fmt: skip
 
-    def _chunk(self, hex_: str | None, cache: ChunkCache, manifest: LayerManifest) -> bytes | None:
-        """A chunk's verified bytes: the cache's, else fetched (and then cached)."""
+    def _chunk(
+        self, hex_: str | None, cache: ChunkCache, manifest: LayerManifest, flights: _Flights
+    ) -> bytes | None:
+        """A chunk's verified bytes: the cache's, else fetched (and then cached). A chunk that
+        comes again in the layer waits for its first fetch and is read from the cache."""
         if hex_ is None:
             return None
-        data = cache.read(hex_)
-        if data is None:
-            data = self._fetch_chunk(hex_, manifest)
-            cache.put(hex_, data)
+        first, flight = flights.join(hex_)
+        if not first:
+            flight.result()  # the first one's failure is this one's too
+            data = cache.read(hex_)  # pinned: still there, but for a damage since
+            return data if data is not None else self._fetch_into(cache, hex_, manifest)
+        try:
+            data = cache.read(hex_)
+            if data is None:
+                data = self._fetch_into(cache, hex_, manifest)
+        except BaseException as exc:
+            flight.set_exception(exc)
+            raise
+        flight.set_result(None)
+        return data
+
+    def _fetch_into(self, cache: ChunkCache, hex_: str, manifest: LayerManifest) -> bytes:
+        data = self._fetch_chunk(hex_, manifest)
+        cache.put(hex_, data)
         return data
 
     def _fetch_chunk(self, hex_: str, manifest: LayerManifest) -> bytes:
@@ -531,6 +544,23 @@ class ObjectStore:
             finally:
                 for future in pending:
                     future.cancel()
+
+
+class _Flights:
+    """The fetches of one pull by chunk: the first of a chunk fetches, the others wait for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._flights: dict[str, concurrent.futures.Future[None]] = {}
+
+    def join(self, hex_: str) -> tuple[bool, concurrent.futures.Future[None]]:
+        """(True, its future) for the first of `hex_`, which must settle it; (False, it) after."""
+        with self._lock:
+            flight = self._flights.get(hex_)
+            if flight is not None:
+                return False, flight
+            flight = self._flights[hex_] = concurrent.futures.Future()
+            return True, flight
 
 
 @attrs.define
