@@ -76,8 +76,9 @@ def digest_hex(digest: str, field: str = "digest") -> str:
 
 
 def layer_file_name(digest: str) -> str:
-    """The name of a layer's file in a directory of layers: its digest's hex, ".layer"."""
-    return f"{digest_hex(digest)}.layer"
+    """The name of a layer's file in diskd's layers/: "sha256-<hex>" (diskd's own rule, as
+    feos.disk._model.layer_file has it: a colon in a file name reads as a protocol to QEMU)."""
+    return f"sha256-{digest_hex(digest)}"
 
 
 # -- the store's configuration ---------------------------------------------------------------
@@ -97,8 +98,8 @@ class StoreConfig:
     access_key_id: str = attrs.field(default="", repr=False)
     secret_access_key: str = attrs.field(default="", repr=False)
     session_token: str = attrs.field(default="", repr=False)
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 30.0
+    connect_timeout_s: float = 3.0
+    read_timeout_s: float = 10.0  # the longest silence within an answer, not its whole time
     tries: int = 3
     retry_delay_s: float = 0.5  # before the second try; doubled before the third
     concurrency: int = 8  # requests in flight for one push or pull

@@ -154,7 +154,7 @@ def test_the_code_is_the_callers() -> None:
 
 def test_digests_and_file_names() -> None:
     assert digest_hex("sha256:" + "a" * 64) == "a" * 64
-    assert layer_file_name("sha256:" + "a" * 64) == "a" * 64 + ".layer"
+    assert layer_file_name("sha256:" + "a" * 64) == "sha256-" + "a" * 64
     for bad in ("a" * 64, "sha256:" + "A" * 64, "sha256:" + "a" * 63, "sha256:../x"):
         with pytest.raises(FeosError) as caught:
             layer_file_name(bad)
