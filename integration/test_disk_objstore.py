@@ -9,8 +9,9 @@ import hashlib
 import logging
 import os
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,12 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoS3]:
 
 
 @pytest.fixture
-def store(s3: MotoS3, request: pytest.FixtureRequest) -> ObjectStore:
+def store(s3: MotoS3, request: pytest.FixtureRequest) -> Iterator[ObjectStore]:
     """A store of the test's own: its name is its key prefix."""
     config, reason = StoreConfig.from_env(s3.env(S3_PREFIX=request.node.name))
     assert config is not None, reason
-    return ObjectStore(attrs.evolve(config, **QUICK))
+    with ObjectStore(attrs.evolve(config, **QUICK)) as store:
+        yield store
 
 
 def make_layer(path: Path, pieces: dict[int, bytes], size: int) -> str:
@@ -188,6 +190,21 @@ def test_a_pull_takes_what_the_cache_has(store: ObjectStore, s3: MotoS3, tmp_pat
     assert (second / layer_file_name(digest)).read_bytes() == path.read_bytes()
 
 
+def test_a_stopped_push_or_pull_leaves_nothing(store: ObjectStore, s3: MotoS3, tmp_path: Path,
+                                               layer: tuple[Path, str]) -> None:  # fmt: skip
+    path, digest = layer
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(FeosError) as caught:
+        store.push_layer(path, manifest_for(digest), stop=stop)
+    assert caught.value.code == Code.ABORTED and not store.has_layer(digest)
+    store.push_layer(path, manifest_for(digest))
+    dest = pull_dir(tmp_path, "layers")
+    with pytest.raises(FeosError) as caught:
+        store.pull_layer(digest, ChunkCache(tmp_path / "cache", 1 << 20), dest, stop=stop)
+    assert caught.value.code == Code.ABORTED and os.listdir(dest) == []
+
+
 def test_pulls_at_once_share_the_cache(store: ObjectStore, tmp_path: Path,
                                        layer: tuple[Path, str]) -> None:  # fmt: skip
     path, digest = layer
@@ -204,8 +221,17 @@ def test_pulls_at_once_share_the_cache(store: ObjectStore, tmp_path: Path,
 # -- a store that refuses or does not answer: the store's own words, in bounded time
 
 
-def failing_store(base: StoreConfig, **changes: Any) -> ObjectStore:
-    return ObjectStore(attrs.evolve(base, **(QUICK | changes)))
+@pytest.fixture
+def failing_store() -> Iterator[Callable[..., ObjectStore]]:
+    made: list[ObjectStore] = []
+
+    def make(base: StoreConfig, **changes: Any) -> ObjectStore:
+        made.append(ObjectStore(attrs.evolve(base, **(QUICK | changes))))
+        return made[-1]
+
+    yield make
+    for store in made:
+        store.close()
 
 
 def small_layer(tmp_path: Path) -> tuple[Path, str]:
@@ -231,25 +257,28 @@ def assert_fails(store: ObjectStore, tmp_path: Path, says: str) -> None:
     assert os.listdir(dest) == []
 
 
-def test_no_such_bucket(store: ObjectStore, tmp_path: Path) -> None:
+def test_no_such_bucket(store: ObjectStore, tmp_path: Path,
+                        failing_store: Callable[..., ObjectStore]) -> None:  # fmt: skip
     refusing = failing_store(store.config, bucket="no-such-bucket")
     assert_fails(refusing, tmp_path, "NoSuchBucket")
 
 
-def test_bad_credentials(tmp_path: Path) -> None:
+def test_bad_credentials(tmp_path: Path, failing_store: Callable[..., ObjectStore]) -> None:
     with moto_s3(tmp_path, auth=True) as checking:
         config, _ = StoreConfig.from_env(checking.env(AWS_ACCESS_KEY_ID="AKIANOBODY"))
         assert config is not None
         assert_fails(failing_store(config), tmp_path, "InvalidAccessKeyId")
 
 
-def test_nothing_listens(store: ObjectStore, tmp_path: Path) -> None:
+def test_nothing_listens(store: ObjectStore, tmp_path: Path,
+                         failing_store: Callable[..., ObjectStore]) -> None:  # fmt: skip
     endpoint = f"http://127.0.0.1:{free_port()}"
     silent = failing_store(store.config, endpoint=endpoint)
     assert_fails(silent, tmp_path, "Could not connect to the endpoint URL")
 
 
-def test_an_endpoint_that_never_answers(store: ObjectStore, tmp_path: Path) -> None:
+def test_an_endpoint_that_never_answers(store: ObjectStore, tmp_path: Path,
+                                        failing_store: Callable[..., ObjectStore]) -> None:  # fmt: skip
     with socket.socket() as listener:  # connections complete in its backlog, and nobody reads
         listener.bind(("127.0.0.1", 0))
         listener.listen(64)

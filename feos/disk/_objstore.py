@@ -18,6 +18,7 @@ one ObjectStore serves several threads at once (boto3's clients are thread-safe)
 from __future__ import annotations
 
 import argparse
+import base64
 import collections
 import concurrent.futures
 import contextlib
@@ -347,8 +348,21 @@ class ObjectStore:
         return True
 
     def _put(self, key: str, data: bytes) -> None:
+        """PUT with the body's sha256: the store refuses a body that changed on the way."""
+        checksum = base64.b64encode(hashlib.sha256(data).digest()).decode()
         bucket = self.config.bucket
-        self._call(f"PUT {key}", lambda: self._s3.put_object(Bucket=bucket, Key=key, Body=data))
+        self._call(f"PUT {key}", lambda: self._s3.put_object(
+            Bucket=bucket, Key=key, Body=data, ChecksumSHA256=checksum))  # fmt: skip
+
+    def close(self) -> None:
+        """Close the client's connections."""
+        self._s3.close()
+
+    def __enter__(self) -> ObjectStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # -- manifests
 
@@ -377,9 +391,12 @@ class ObjectStore:
 
     # -- push
 
-    def push_layer(self, layer_path: Path, manifest: LayerManifest) -> LayerManifest:
+    def push_layer(
+        self, layer_path: Path, manifest: LayerManifest, stop: threading.Event | None = None
+    ) -> LayerManifest:
         """Upload the layer file's chunks the store lacks, then its manifest (returned, with
-        size_bytes, chunk_size and chunks filled in). DATA_LOSS: the file is not `digest`."""
+        size_bytes, chunk_size and chunks filled in). DATA_LOSS: the file is not `digest`;
+        ABORTED: `stop` was set (no manifest is put then; the requests in flight end first)."""
         key = self.manifest_key(manifest.digest)
         # first, and with a GET: an error's body has the store's words (a HEAD's has none)
         there = self._request(f"manifest {key}", lambda: self._get(key))
@@ -398,7 +415,9 @@ class ObjectStore:
                         yield hex_, chunk.data
                     chunks.append(hex_)
 
-            for _ in self._ordered(lambda item: self._push_chunk(*item, pushed), new_chunks()):
+            uploads = self._ordered(lambda item: self._push_chunk(*item, pushed), new_chunks(),
+                                    stop, f"push of {manifest.digest}")  # fmt: skip
+            for _ in uploads:
                 pass
         finally:
             os.close(fd)
@@ -429,19 +448,26 @@ class ObjectStore:
     # -- pull
 
     def pull_layer(
-        self, digest: str, cache: ChunkCache, dest_dir: Path, name: str | None = None
+        self,
+        digest: str,
+        cache: ChunkCache,
+        dest_dir: Path,
+        name: str | None = None,
+        stop: threading.Event | None = None,
     ) -> LayerManifest:
         """The layer from the store into dest_dir/<name> (layer_file_name by default), made of
         chunks from the cache or the store, each checked; sparse, fsynced, 0444, whole or not
         at all. DATA_LOSS: a chunk that stays wrong after its tries, or a layer whose assembled
-        file is not `digest`."""
-        manifest = self.get_manifest(digest)
+        file is not `digest`; ABORTED: `stop` was set."""
         name = name or layer_file_name(digest)
+        if "/" in name or name.startswith(".") or not name:
+            raise FeosError(Code.INVALID_ARGUMENT, f"layer file name {name!r}: not a plain name")
+        manifest = self.get_manifest(digest)
         owner = f"pull {digest} {uuid.uuid4()}"
         cache.pin(owner, (h for h in manifest.chunks if h is not None))
         tmp = dest_dir / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
         try:
-            self._assemble(manifest, cache, tmp)
+            self._assemble(manifest, cache, tmp, stop)
             os.rename(tmp, dest_dir / name)
             fsync_dir(dest_dir)
         except BaseException:
@@ -451,13 +477,16 @@ class ObjectStore:
             cache.unpin(owner)
         return manifest
 
-    def _assemble(self, manifest: LayerManifest, cache: ChunkCache, tmp: Path) -> None:
+    def _assemble(
+        self, manifest: LayerManifest, cache: ChunkCache, tmp: Path, stop: threading.Event | None
+    ) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, manifest.size_bytes)
             flights = _Flights()
+            what = f"pull of {manifest.digest}"
             fetched = self._ordered(lambda h: self._chunk(h, cache, manifest, flights),
-                                    manifest.chunks)  # fmt: skip
+                                    manifest.chunks, stop, what)  # fmt: skip
             with contextlib.closing(fetched):  # a failure here ends the fetches now
                 self._write_chunks(fd, manifest, fetched)
             os.fchmod(fd, 0o444)
@@ -529,14 +558,19 @@ class ObjectStore:
                         f"{manifest.digest} does not match its digest after "
                         f"{self.config.tries} tries: refused")  # fmt: skip
 
-    def _ordered(self, work: Callable[[T], R], items: Iterable[T]) -> Generator[R]:
+    def _ordered(
+        self, work: Callable[[T], R], items: Iterable[T], stop: threading.Event | None, what: str
+    ) -> Generator[R]:
         """work(item) on a pool, `concurrency` in flight, the results in the items' order; the
-        first failure cancels what has not begun and is raised once what runs has ended."""
+        first failure, or `stop` set (ABORTED), cancels what has not begun and is raised once
+        what runs has ended."""
         window = self.config.concurrency
         with concurrent.futures.ThreadPoolExecutor(window, thread_name_prefix="objstore") as pool:
             pending: collections.deque[concurrent.futures.Future[R]] = collections.deque()
             try:
                 for item in items:
+                    if stop is not None and stop.is_set():
+                        raise FeosError(Code.ABORTED, f"{what}: stopped by its caller")
                     pending.append(pool.submit(work, item))
                     if len(pending) >= window:
                         yield pending.popleft().result()
