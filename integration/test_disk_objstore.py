@@ -5,6 +5,7 @@ refusing bucket and endpoints that do not answer. No microVM: no machine lock ne
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import os
@@ -239,8 +240,9 @@ def small_layer(tmp_path: Path) -> tuple[Path, str]:
     return path, make_layer(path, {0: b"data"}, 5000)
 
 
-def assert_fails(store: ObjectStore, tmp_path: Path, says: str) -> None:
-    """Push and pull fail with UNAVAILABLE carrying `says`, within what the timeouts allow."""
+def assert_fails(store: ObjectStore, tmp_path: Path, says: str, retried: bool) -> None:
+    """Push and pull fail with UNAVAILABLE carrying `says`, within what the timeouts allow,
+    after three tries or (a refusal another try cannot change) at once."""
     config = store.config
     bound = config.tries * (config.connect_timeout_s + config.read_timeout_s + 1) + 3 * 2
     path, digest = small_layer(tmp_path)
@@ -254,34 +256,59 @@ def assert_fails(store: ObjectStore, tmp_path: Path, says: str) -> None:
         assert time.monotonic() - started < bound
         assert caught.value.code == Code.UNAVAILABLE
         assert says in caught.value.message and config.bucket in caught.value.message
+        assert ("(after 3 tries)" in caught.value.message) == retried
     assert os.listdir(dest) == []
 
 
 def test_no_such_bucket(store: ObjectStore, tmp_path: Path,
                         failing_store: Callable[..., ObjectStore]) -> None:  # fmt: skip
     refusing = failing_store(store.config, bucket="no-such-bucket")
-    assert_fails(refusing, tmp_path, "NoSuchBucket")
+    assert_fails(refusing, tmp_path, "NoSuchBucket: The specified bucket does not exist",
+                 retried=False)
 
 
 def test_bad_credentials(tmp_path: Path, failing_store: Callable[..., ObjectStore]) -> None:
     with moto_s3(tmp_path, auth=True) as checking:
         config, _ = StoreConfig.from_env(checking.env(AWS_ACCESS_KEY_ID="AKIANOBODY"))
         assert config is not None
-        assert_fails(failing_store(config), tmp_path, "InvalidAccessKeyId")
+        assert_fails(failing_store(config), tmp_path, "InvalidAccessKeyId", retried=False)
 
 
 def test_nothing_listens(store: ObjectStore, tmp_path: Path,
                          failing_store: Callable[..., ObjectStore]) -> None:  # fmt: skip
     endpoint = f"http://127.0.0.1:{free_port()}"
     silent = failing_store(store.config, endpoint=endpoint)
-    assert_fails(silent, tmp_path, "Could not connect to the endpoint URL")
+    assert_fails(silent, tmp_path, "Could not connect to the endpoint URL", retried=True)
 
 
 def test_an_endpoint_that_never_answers(store: ObjectStore, tmp_path: Path,
                                         failing_store: Callable[..., ObjectStore]) -> None:  # fmt: skip
-    with socket.socket() as listener:  # connections complete in its backlog, and nobody reads
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(64)
-        endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    with mute_endpoint() as endpoint:
         mute = failing_store(store.config, endpoint=endpoint, read_timeout_s=1.0)
-        assert_fails(mute, tmp_path, "timeout")
+        assert_fails(mute, tmp_path, "ReadTimeoutError: Read timeout on endpoint URL",
+                     retried=True)
+
+
+@contextlib.contextmanager
+def mute_endpoint() -> Iterator[str]:
+    """A loopback port that accepts every connection, reads nothing and never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # the listener closed: done
+            while True:
+                held.append(listener.accept()[0])
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        acceptor.join(5)
+        for conn in held:
+            conn.close()
