@@ -140,14 +140,16 @@ def test_a_layer_the_store_lacks(store: ObjectStore, tmp_path: Path) -> None:
     assert caught.value.code == Code.NOT_FOUND and missing in caught.value.message
 
 
+@pytest.mark.parametrize("size", [CHUNK_SIZE, 2 * CHUNK_SIZE + 1, 10])
 def test_a_corrupted_chunk_in_the_store_is_refused(store: ObjectStore, s3: MotoS3,
                                                    tmp_path: Path, layer: tuple[Path, str],
-                                                   caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+                                                   caplog: pytest.LogCaptureFixture,
+                                                   size: int) -> None:  # fmt: skip
     path, digest = layer
     pushed = store.push_layer(path, manifest_for(digest))
     bad = pushed.chunks[3]
     assert bad is not None
-    s3.client().put_object(Bucket=s3.bucket, Key=store.chunk_key(bad), Body=os.urandom(CHUNK_SIZE))
+    s3.client().put_object(Bucket=s3.bucket, Key=store.chunk_key(bad), Body=os.urandom(size))
     dest = pull_dir(tmp_path, "layers")
     cache = ChunkCache(tmp_path / "cache", 64 << 20)
     with caplog.at_level(logging.WARNING), pytest.raises(FeosError) as caught:
@@ -158,6 +160,27 @@ def test_a_corrupted_chunk_in_the_store_is_refused(store: ObjectStore, s3: MotoS
                for r in caplog.records) == 3  # fmt: skip
     assert os.listdir(dest) == []  # no layer, no half of one
     assert bad not in cache
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [(b"{not json", "not JSON"), (b'{"digest": 1}', "field"), (None, "describes sha256:")],
+)
+def test_a_damaged_manifest_is_data_loss(store: ObjectStore, s3: MotoS3, tmp_path: Path,
+                                         layer: tuple[Path, str], body: bytes | None,
+                                         says: str) -> None:  # fmt: skip
+    path, digest = layer
+    pushed = store.push_layer(path, manifest_for(digest))
+    other = attrs.evolve(pushed, digest="sha256:" + "f" * 64)
+    s3.client().put_object(Bucket=s3.bucket, Key=store.manifest_key(digest),
+                           Body=other.to_json() if body is None else body)  # fmt: skip
+    dest = pull_dir(tmp_path, "layers")
+    with pytest.raises(FeosError) as caught:
+        store.pull_layer(digest, ChunkCache(tmp_path / "cache", 64 << 20), dest)
+    assert caught.value.code == Code.DATA_LOSS and says in caught.value.message
+    assert store.manifest_key(digest) in caught.value.message and os.listdir(dest) == []
+    store.push_layer(path, manifest_for(digest))  # a push puts a damaged manifest right
+    assert store.get_manifest(digest).chunks == pushed.chunks
 
 
 def test_a_corrupted_chunk_in_the_cache_is_fetched_again(store: ObjectStore, tmp_path: Path,

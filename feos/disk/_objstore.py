@@ -63,6 +63,7 @@ _BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]\Z")
 _ENDPOINT = re.compile(r"https?://[^/\s?#]+/?\Z")
 _FORMATS = ("qcow2", "raw")
 _MAX_CHUNK_SIZE = 64 * 1024 * 1024
+_MAX_MANIFEST = 256 * 1024 * 1024  # 16 TiB in 4 MiB chunks: 4 Mi entries of 67 bytes
 _RETRYABLE_CODES = {"RequestTimeout", "SlowDown", "Throttling", "ThrottlingException",
                     "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable"}  # fmt: skip
 _ABSENT_CODES = {"404", "NoSuchKey", "NotFound"}
@@ -321,13 +322,14 @@ class ObjectStore:
         tries = f" (after {self.config.tries} tries)" if failure.retryable else ""
         return FeosError(Code.UNAVAILABLE, f"{self._where}: {what}: {failure.message}{tries}")
 
-    def _get(self, key: str) -> bytes | None:
-        """The object's bytes, None when the bucket has no such key; StoreFailure."""
+    def _get(self, key: str, limit: int) -> bytes | None:
+        """The object's bytes, None when the bucket has no such key; StoreFailure. Of an object
+        larger than `limit`, limit + 1 bytes: too many for what the caller expects."""
 
         def get() -> bytes:
             answer = self._s3.get_object(Bucket=self.config.bucket, Key=key)
             with answer["Body"] as body:
-                data: bytes = body.read()
+                data: bytes = body.read(limit + 1)
             return data
 
         try:
@@ -369,9 +371,12 @@ class ObjectStore:
     def get_manifest(self, digest: str) -> LayerManifest:
         """The layer's manifest; NOT_FOUND when the store has none, DATA_LOSS when it is bad."""
         key = self.manifest_key(digest)
-        data = self._request(f"manifest {key}", lambda: self._get(key))
+        data = self._request(f"manifest {key}", lambda: self._get(key, _MAX_MANIFEST))
         if data is None:
             raise FeosError(Code.NOT_FOUND, f"{self._where} has no layer {digest}")
+        if len(data) > _MAX_MANIFEST:
+            raise FeosError(Code.DATA_LOSS, f"{self._where}: {key} is larger than a manifest "
+                            f"can be ({_MAX_MANIFEST} bytes)")  # fmt: skip
         try:
             manifest = LayerManifest.from_json(data)
         except FeosError as exc:
@@ -399,7 +404,7 @@ class ObjectStore:
         ABORTED: `stop` was set (no manifest is put then; the requests in flight end first)."""
         key = self.manifest_key(manifest.digest)
         # first, and with a GET: an error's body has the store's words (a HEAD's has none)
-        there = self._request(f"manifest {key}", lambda: self._get(key))
+        there = self._request(f"manifest {key}", lambda: self._get(key, _MAX_MANIFEST))
         pushed = _PushedChunks()
         fd = os.open(layer_path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -541,7 +546,7 @@ class ObjectStore:
         key = self.chunk_key(hex_)
         for attempt in range(self.config.tries):
             try:
-                data = self._get(key)
+                data = self._get(key, manifest.chunk_size)  # more cannot match
             except StoreFailure as failure:
                 what = f"chunk {hex_} of layer {manifest.digest}"
                 raise self._unavailable(what, failure) from None
