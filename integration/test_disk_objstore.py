@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -227,6 +228,42 @@ def test_a_stopped_push_or_pull_leaves_nothing(store: ObjectStore, s3: MotoS3, t
     with pytest.raises(FeosError) as caught:
         store.pull_layer(digest, ChunkCache(tmp_path / "cache", 1 << 20), dest, stop=stop)
     assert caught.value.code == Code.ABORTED and os.listdir(dest) == []
+
+
+def test_files_that_fail_are_named(store: ObjectStore, tmp_path: Path,
+                                   layer: tuple[Path, str]) -> None:  # fmt: skip
+    path, digest = layer
+    with pytest.raises(FeosError) as caught:
+        store.push_layer(tmp_path / "nothing.img", manifest_for(digest))
+    assert caught.value.code == Code.NOT_FOUND and "nothing.img" in caught.value.message
+    store.push_layer(path, manifest_for(digest))
+    with pytest.raises(FeosError) as caught:
+        store.pull_layer(digest, ChunkCache(tmp_path / "cache", 64 << 20), tmp_path / "nodir")
+    assert caught.value.code == Code.NOT_FOUND and "nodir" in caught.value.message
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str) -> Iterator[Path]:
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "feostest-disk", str(path)],
+                   check=True)  # fmt: skip
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs of its own: needs root")
+def test_a_full_disk_fails_the_pull_and_leaves_nothing(store: ObjectStore, tmp_path: Path,
+                                                       layer: tuple[Path, str]) -> None:  # fmt: skip
+    path, digest = layer  # 12 MiB of data to write
+    store.push_layer(path, manifest_for(digest))
+    with small_filesystem(tmp_path / "small", "6m") as dest:
+        with pytest.raises(FeosError) as caught:
+            store.pull_layer(digest, ChunkCache(tmp_path / "cache", 64 << 20), dest)
+        assert caught.value.code == Code.RESOURCE_EXHAUSTED
+        assert "No space left on device" in caught.value.message and digest in caught.value.message
+        assert os.listdir(dest) == [] and os.statvfs(dest).f_bfree == os.statvfs(dest).f_blocks
 
 
 def test_pulls_at_once_share_the_cache(store: ObjectStore, tmp_path: Path,

@@ -22,6 +22,7 @@ import base64
 import collections
 import concurrent.futures
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -406,35 +407,50 @@ class ObjectStore:
         # first, and with a GET: an error's body has the store's words (a HEAD's has none)
         there = self._request(f"manifest {key}", lambda: self._get(key, _MAX_MANIFEST))
         pushed = _PushedChunks()
-        fd = os.open(layer_path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            size = os.fstat(fd).st_size
-            whole = hashlib.sha256()
-            chunks: list[str | None] = []
-
-            def new_chunks() -> Iterator[tuple[str, bytes]]:
-                for chunk in read_chunks(fd, size, CHUNK_SIZE):
-                    whole.update(zeroes(chunk.length) if chunk.data is None else chunk.data)
-                    hex_ = None if chunk.data is None else chunk_hex(chunk.data)
-                    if chunk.data is not None and hex_ is not None and hex_ not in chunks:
-                        yield hex_, chunk.data
-                    chunks.append(hex_)
-
-            uploads = self._ordered(lambda item: self._push_chunk(*item, pushed), new_chunks(),
-                                    stop, f"push of {manifest.digest}")  # fmt: skip
-            for _ in uploads:
-                pass
-        finally:
-            os.close(fd)
-        if f"sha256:{whole.hexdigest()}" != manifest.digest:
-            raise FeosError(Code.DATA_LOSS, f"layer file {layer_path} is sha256:"
-                            f"{whole.hexdigest()}, not {manifest.digest}")  # fmt: skip
+        with os_errors(f"layer file {layer_path}"):
+            fd = os.open(layer_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                size = os.fstat(fd).st_size
+                whole, chunks = self._push_chunks(fd, size, pushed, stop, manifest.digest)
+            finally:
+                os.close(fd)
+        if f"sha256:{whole}" != manifest.digest:
+            raise FeosError(Code.DATA_LOSS, f"layer file {layer_path} is sha256:{whole}, "
+                            f"not {manifest.digest}")  # fmt: skip
         done = attrs.evolve(manifest, size_bytes=size, chunk_size=CHUNK_SIZE, chunks=tuple(chunks))
         if there is None or not _same_layer(there, done):
             self._request(f"manifest {key}", lambda: self._put(key, done.to_json()))
         log.info("%s: pushed %s: %d chunks, %d uploaded (%d bytes)", self._where, done.digest,
                  len(chunks), pushed.count, pushed.bytes)  # fmt: skip
         return done
+
+    def _push_chunks(
+        self, fd: int, size: int, pushed: _PushedChunks, stop: threading.Event | None, digest: str
+    ) -> tuple[str, list[str | None]]:
+        """The file read in order and hashed whole, its new chunks uploaded on the pool: (the
+        whole file's sha256 hex, the chunks)."""
+        whole = hashlib.sha256()
+        chunks: list[str | None] = []
+        seen: set[str] = set()
+
+        def new_chunks() -> Iterator[tuple[str, bytes]]:
+            for chunk in read_chunks(fd, size, CHUNK_SIZE):
+                if chunk.data is None:
+                    whole.update(zeroes(chunk.length))
+                    chunks.append(None)
+                    continue
+                whole.update(chunk.data)
+                hex_ = chunk_hex(chunk.data)
+                chunks.append(hex_)
+                if hex_ not in seen:
+                    seen.add(hex_)
+                    yield hex_, chunk.data
+
+        uploads = self._ordered(lambda item: self._push_chunk(*item, pushed), new_chunks(),
+                                stop, f"push of {digest}")  # fmt: skip
+        for _ in uploads:
+            pass
+        return whole.hexdigest(), chunks
 
     def _push_chunk(self, hex_: str, data: bytes, pushed: _PushedChunks) -> None:
         key = self.chunk_key(hex_)
@@ -472,9 +488,10 @@ class ObjectStore:
         cache.pin(owner, (h for h in manifest.chunks if h is not None))
         tmp = dest_dir / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
         try:
-            self._assemble(manifest, cache, tmp, stop)
-            os.rename(tmp, dest_dir / name)
-            fsync_dir(dest_dir)
+            with os_errors(f"layer {digest} into {dest_dir}"):
+                self._assemble(manifest, cache, tmp, stop)
+                os.rename(tmp, dest_dir / name)
+                fsync_dir(dest_dir)
         except BaseException:
             unlink_quietly(tmp)
             raise
@@ -584,6 +601,26 @@ class ObjectStore:
             finally:
                 for future in pending:
                     future.cancel()
+
+
+_ERRNO_CODES = {
+    errno.ENOSPC: Code.RESOURCE_EXHAUSTED,
+    errno.EDQUOT: Code.RESOURCE_EXHAUSTED,
+    errno.ENOENT: Code.NOT_FOUND,
+    errno.EACCES: Code.PERMISSION_DENIED,
+    errno.EPERM: Code.PERMISSION_DENIED,
+    errno.EROFS: Code.FAILED_PRECONDITION,
+}
+
+
+@contextlib.contextmanager
+def os_errors(what: str) -> Iterator[None]:
+    """An OSError of the node's files as a FeosError naming `what` (ENOSPC: RESOURCE_EXHAUSTED)."""
+    try:
+        yield
+    except OSError as exc:
+        code = _ERRNO_CODES.get(exc.errno or 0, Code.INTERNAL)
+        raise FeosError(code, f"{what}: {exc.strerror or exc}") from exc
 
 
 class _Flights:
