@@ -235,12 +235,14 @@ class ChunkCache:
 
     def pin(self, owner: str, hexes: Iterable[str]) -> None:
         """`owner` needs these chunks (present or to come): none of them is evicted until
-        unpin(owner). A second pin of the same owner replaces its first."""
+        unpin(owner). A second pin of the same owner replaces its first (and what it no longer
+        holds may be evicted at once)."""
         with self._lock:
             self._unpin_locked(owner)
             pins = frozenset(hexes)
             self._pins[owner] = pins
             self._pinned.update(pins)
+            self._evict_locked(0)
 
     def unpin(self, owner: str) -> None:
         """`owner` needs its chunks no more; the cache evicts down to its limit again."""

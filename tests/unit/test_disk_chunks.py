@@ -4,12 +4,16 @@ and a restart that recounts what is there."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from feos.disk._chunks import (
     CHUNK_SIZE,
@@ -155,3 +159,103 @@ def test_a_negative_limit_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FeosError) as caught:
         ChunkCache(tmp_path, -1)
     assert caught.value.code == Code.INVALID_ARGUMENT
+
+
+# -- the cache under hypothesis's operations, and under threads
+
+SIZES = (700, 1000, 1300)
+CHUNKS = [chunk(n, SIZES[n % 3]) for n in range(12)]
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Puts, hits, pins, unpins, evictions, collects and restarts in any order: the index is
+    the directory, the limit holds but for what is pinned, and a pinned chunk that went in stays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="feos-cache-"))
+        self.limit = 3000
+        self.cache = ChunkCache(self.dir, self.limit)
+        self.pins: dict[str, set[int]] = {}
+        self.kept: set[int] = set()  # pinned chunks put since their pin: must be there
+
+    def pinned(self) -> set[int]:
+        return set().union(*self.pins.values()) if self.pins else set()
+
+    @rule(n=st.integers(0, 11))
+    def put(self, n: int) -> None:
+        self.cache.put(*CHUNKS[n])
+        if n in self.pinned():
+            self.kept.add(n)
+
+    @rule(n=st.integers(0, 11))
+    def read(self, n: int) -> None:
+        data = self.cache.read(CHUNKS[n][0])
+        assert data is None or data == CHUNKS[n][1]
+        assert data is not None or n not in self.kept
+
+    @rule(owner=st.sampled_from("abc"), ns=st.sets(st.integers(0, 11), max_size=3))
+    def pin(self, owner: str, ns: set[int]) -> None:
+        self.cache.pin(owner, [CHUNKS[n][0] for n in ns])
+        self.pins[owner] = ns
+        self.kept &= self.pinned()
+        self.kept |= {n for n in ns if CHUNKS[n][0] in self.cache}
+
+    @rule(owner=st.sampled_from("abc"))
+    def unpin(self, owner: str) -> None:
+        self.cache.unpin(owner)
+        self.pins.pop(owner, None)
+        self.kept &= self.pinned()
+
+    @rule(needed=st.integers(0, 4000))
+    def evict(self, needed: int) -> None:
+        self.cache.evict(needed)
+
+    @rule(keep=st.sets(st.integers(0, 11)))
+    def collect(self, keep: set[int]) -> None:
+        self.cache.collect(CHUNKS[n][0] for n in keep)
+
+    @rule()
+    def restart(self) -> None:  # pins live in diskd's memory: a restart has none
+        self.cache = ChunkCache(self.dir, self.limit)
+        self.pins.clear()
+        self.kept.clear()
+
+    @invariant()
+    def the_index_is_the_directory(self) -> None:
+        stats = self.cache.stats()
+        files = {p.name: p.stat().st_size for p in self.dir.iterdir()}
+        assert set(files) == {h for h, _ in CHUNKS if h in self.cache}
+        assert stats.chunks == len(files) and stats.used_bytes == sum(files.values())
+        assert all(CHUNKS[n][0] in self.cache for n in self.kept)
+        unpinned = {h for h, _ in CHUNKS if h in self.cache} - {CHUNKS[n][0] for n in self.pinned()}
+        assert stats.used_bytes <= self.limit or not unpinned
+
+    def teardown(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+TestCacheMachine = CacheMachine.TestCase
+
+
+def test_threads_at_once_keep_the_index_true(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 5000)
+
+    def work(seed: int) -> None:
+        for i in range(200):
+            n = (seed * 7 + i) % len(CHUNKS)
+            if i % 5 == 0:
+                cache.pin(f"owner-{seed}", [CHUNKS[n][0]])
+            elif i % 5 == 1:
+                cache.unpin(f"owner-{seed}")
+            cache.put(*CHUNKS[n])
+            data = cache.read(CHUNKS[(n + 3) % len(CHUNKS)][0])
+            assert data is None or chunk_hex(data) == CHUNKS[(n + 3) % len(CHUNKS)][0]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(work, range(8)))
+    for seed in range(8):
+        cache.unpin(f"owner-{seed}")
+    files = {p.name: p.stat().st_size for p in tmp_path.iterdir()}
+    stats = cache.stats()
+    assert stats.chunks == len(files) and stats.used_bytes == sum(files.values()) <= 5000
