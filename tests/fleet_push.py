@@ -78,13 +78,23 @@ class _Pending:
     progress: trio.Event = attrs.Factory(trio.Event)
 
 
+class _Counted(h2.connection.H2Connection):
+    """h2's client, its open streams counted by the client (h2 walks them all per stream)."""
+
+    count: Any
+
+    @property
+    def open_outbound_streams(self) -> int:
+        return int(self.count())
+
+
 class PushClient:
     """The control plane's HTTP/2 client on one node connection."""
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
-        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(
-            client_side=True, header_encoding=None))
+        self.h2 = _Counted(h2.config.H2Configuration(client_side=True, header_encoding=None))
+        self.h2.count = lambda: len(self._pending)
         self.h2.local_settings = h2.settings.Settings(client=True, initial_values={
             h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 4 * 1024 * 1024,
             h2.settings.SettingCodes.ENABLE_PUSH: 0,

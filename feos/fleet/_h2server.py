@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from urllib.parse import quote
 
 import attrs
@@ -99,11 +99,34 @@ def trailers(code: Code, message: str) -> list[tuple[bytes, bytes]]:
 
 
 class _Refusing(h2.connection.H2Connection):
-    """h2's connection, which refuses a stream over the limit rather than the connection."""
+    """h2's connection, which refuses a stream over the limit rather than the connection, and
+    counts its open streams in O(1).
+
+    h2 counts the open streams by walking all of them (dropping the closed ones as it goes) for
+    every new stream: a burst of 1,000 calls walks half a million streams. The core knows what
+    is open (a stream is its own until the answer went out whole, and one the core let go of is
+    closed or reset in h2 too); h2's walk still runs once in PURGE_EVERY new streams, to drop
+    the closed ones from its table."""
+
+    PURGE_EVERY = 256
+    count: Callable[[], int]
+    batch = 0  # new streams of the bytes in hand, which the core has not taken yet
+    _since_purge = 0
+
+    @property
+    def open_inbound_streams(self) -> int:
+        self._since_purge += 1
+        if self._since_purge >= self.PURGE_EVERY:
+            self._since_purge = 0
+            return max(super().open_inbound_streams, self.count() + self.batch)
+        return self.count() + self.batch
 
     def _receive_headers_frame(self, frame):  # type: ignore[no-untyped-def]
+        new = frame.stream_id not in self.streams
         try:
-            return super()._receive_headers_frame(frame)
+            taken = super()._receive_headers_frame(frame)
+            self.batch += new
+            return taken
         except h2.exceptions.TooManyStreamsError:
             if frame.stream_id % 2 == 0 or frame.stream_id <= self.highest_inbound_stream_id:
                 raise
@@ -123,7 +146,8 @@ class _Stream:
     body: bytearray = attrs.Factory(bytearray)
     started: bool = False  # CallStarted given: the loop owns it until it answers
     outbound: bytearray = attrs.Factory(bytearray)
-    closing: list[tuple[bytes, bytes]] | None = None  # trailers to send once outbound is out
+    # once outbound is out: trailers to send, or [] to end with the last DATA
+    closing: list[tuple[bytes, bytes]] | None = None
 
 
 class ServerCore:
@@ -135,6 +159,7 @@ class ServerCore:
                                            validate_outbound_headers=False,
                                            normalize_outbound_headers=False)
         self._h2 = _Refusing(config)
+        self._h2.count = lambda: len(self._streams)
         self._h2.decoder.max_header_list_size = MAX_HEADER_LIST
         self.max_streams = max_streams
         self.max_body = max_body
@@ -251,6 +276,7 @@ class ServerCore:
         except h2.exceptions.ProtocolError as exc:
             events.append(self._end(exc.error_code, f"protocol error: {exc}", by_peer=True,
                                     goaway=True))
+        self._h2.batch = 0
         return events
 
     def _on(self, event: h2.events.Event, now: float) -> Iterable[Event]:
@@ -328,15 +354,15 @@ class ServerCore:
 
     def answer(self, stream_id: int, code: Code, message: str, body: bytes | None = None, *,
                http_status: int = 200) -> None:
-        """A call's whole answer: its results message (if any), then its status as trailers;
-        without a body the status rides in the one HEADERS frame (trailers-only)."""
-        status = str(http_status).encode()
+        """A call's whole answer: its status in the HEADERS frame (it is known before the body),
+        then its results message (if any) in DATA that ends the stream."""
+        headers = [(b":status", str(http_status).encode()), (b"content-type", CONTENT_TYPE),
+                   *trailers(code, message)]
         if body is None:
-            self._send_headers(stream_id, [(b":status", status), (b"content-type", CONTENT_TYPE),
-                                           *trailers(code, message)], end=True)
+            self._send_headers(stream_id, headers, end=True)
             return
-        self._send_headers(stream_id, [(b":status", status), (b"content-type", CONTENT_TYPE)])
-        self._queue(stream_id, body, trailers(code, message))
+        self._send_headers(stream_id, headers)
+        self._queue(stream_id, body, [])
 
     def open_stream(self, stream_id: int, first: bytes) -> None:
         """A long-lived answer: its headers, then the method's results as the first item."""
@@ -410,8 +436,15 @@ class ServerCore:
                     return
                 chunk = bytes(stream.outbound[:window])
                 del stream.outbound[:window]
-                self._h2.send_data(sid, chunk)
-            if stream.closing is not None:
+                last = not stream.outbound and stream.closing == []
+                self._h2.send_data(sid, chunk, end_stream=last)
+                if last:
+                    self._finish(sid)
+                    return
+            if stream.closing == []:
+                self._h2.send_data(sid, b"", end_stream=True)
+                self._finish(sid)
+            elif stream.closing is not None:
                 self._h2.send_headers(sid, stream.closing, end_stream=True)
                 self._finish(sid)
         except (h2.exceptions.ProtocolError, KeyError):
