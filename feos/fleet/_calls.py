@@ -110,7 +110,10 @@ def error_body(results: Any, exc: FeosError) -> bytes:
 
 
 def decode(params: Any, body: bytes) -> dict[str, Any]:
-    """The params' dict of a body; INVALID_ARGUMENT if it is not one message of them."""
+    """The params' dict of a body (an empty one: every field unset); INVALID_ARGUMENT if it is
+    not one message of them."""
+    if not body:
+        return {}
     try:
         with params.from_bytes(body, traversal_limit_in_words=TRAVERSAL_LIMIT_WORDS,
                                nesting_limit=NESTING_LIMIT) as reader:
@@ -155,7 +158,8 @@ class Dispatcher:
                        _struct(m.result_type, f"{name}$Results"))
 
     async def call(self, path: str, body: bytes) -> Answer:
-        """One call, on the link's trio run; cancelling the wait cancels the call."""
+        """One call, on the link's trio run; cancelling the wait cancels the call. Every
+        outcome is an answer (UNAVAILABLE "feosd stops" once feosd's runtime has ended)."""
         method = self.method(path)
         if method is None:
             return Answer(Code.UNIMPLEMENTED, f"{path}: no such method", None, http_status=404)
@@ -166,8 +170,11 @@ class Dispatcher:
         if method.target is None:
             missing = FeosError(Code.UNIMPLEMENTED, f"{method.name} is not built yet")
             return Answer(missing.code, missing.message, error_body(method.results, missing))
-        answer = await self._run(method.target, lambda values: self._answer(method, values),
-                                 params, method.name, method.results)
+        try:
+            answer = await self._run(method.target, lambda values: self._answer(method, values),
+                                     params, method.name, method.results)
+        except FeosError as exc:  # feosd's runtime or the Cap'n Proto thread has ended
+            return Answer(exc.code, exc.message, error_body(method.results, exc))
         if answer.items is not None and method.name == "execInPod":
             await answer.items.close_input()
         return answer

@@ -45,6 +45,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 import h2.stream
+import hpack
 from h2.errors import ErrorCodes
 from hyperframe.frame import GoAwayFrame, RstStreamFrame
 
@@ -138,6 +139,12 @@ class _Refusing(h2.connection.H2Connection):
             rst = RstStreamFrame(frame.stream_id)
             rst.error_code = ErrorCodes.REFUSED_STREAM
             return [rst], []
+        except h2.exceptions.DenialOfServiceError:
+            raise  # a header list over the cap: ENHANCE_YOUR_CALM
+        except h2.exceptions.ProtocolError as exc:
+            if isinstance(exc.__cause__, hpack.HPACKError):
+                exc.error_code = ErrorCodes.COMPRESSION_ERROR  # RFC 9113 4.3, not h2's PROTOCOL
+            raise
 
 
 @attrs.define
