@@ -170,6 +170,11 @@ class Connection:
     def _events(self, events: Sequence[object]) -> None:
         for event in events:
             if isinstance(event, CallStarted):
+                now = self.dispatcher.answer_now(event.path, event.body)
+                if now is not None and now.items is None:  # a plain read: no task, no trip
+                    self.core.answer(event.stream_id, now.code, now.message, now.body,
+                                     http_status=now.http_status)
+                    continue
                 assert self._nursery is not None
                 self._nursery.start_soon(self._call, event.stream_id, event.path, event.body)
             elif isinstance(event, StreamGone):
