@@ -14,10 +14,12 @@ from typing import Any, TypeVar
 
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from feos import _schema
-from feos.errors import Code
-from feos.fleet._calls import Answer, Dispatcher, _struct
+from feos.errors import Code, FeosError
+from feos.fleet._calls import Answer, Dispatcher, _struct, decode
 from feos.pods import VolumeService
 from feos.pods._events import EventHub
 from feos.pods._streams import Relay
@@ -233,3 +235,35 @@ async def test_a_byte_stream_is_read_on_the_capnp_thread_to_its_end() -> None:
     assert (stdout, stderr) == (b"one\ntwo\n", b"oops\n")
     assert items[-1]["exited"]
     assert items[-1]["exitCode"] == 0
+
+
+@given(st.data())
+def test_a_body_is_params_or_invalid_argument(data: st.DataObject) -> None:
+    """Random bytes, and valid params with bytes flipped, inserted or cut: a dict of the params or
+    INVALID_ARGUMENT, nothing else."""
+    m = _schema.pod().PodService.schema.methods["createPod"]
+    params = _struct(m.param_type, "p")
+    valid = bytearray(params.new_message(
+        id="a", spec={"containers": [{"name": "c", "image": "i", "command": ["sh"]}]},
+        pullToken="t").to_bytes())
+    raw = data.draw(st.one_of(st.binary(max_size=300), st.just(bytes(valid))))
+    mutated = bytearray(raw)
+    for _ in range(data.draw(st.integers(0, 6))):
+        if not mutated:
+            break
+        at = data.draw(st.integers(0, len(mutated) - 1))
+        kind = data.draw(st.sampled_from(["flip", "set", "cut", "insert"]))
+        if kind == "flip":
+            mutated[at] ^= 1 << data.draw(st.integers(0, 7))
+        elif kind == "set":
+            mutated[at] = data.draw(st.integers(0, 255))
+        elif kind == "cut":
+            del mutated[at:]
+        else:
+            mutated[at:at] = data.draw(st.binary(min_size=1, max_size=8))
+    try:
+        found = decode(params, bytes(mutated))
+    except FeosError as exc:
+        assert exc.code == Code.INVALID_ARGUMENT
+    else:
+        assert isinstance(found, dict)
