@@ -325,10 +325,12 @@ class Link:
 
 
 def _connection(c: dict[str, Any]) -> dict[str, Any]:
-    known = {"address", "serverName", "state", "streams"}
-    detail = ", ".join(f"{k}={v}" for k, v in sorted(c.items()) if k not in known)
-    return {"address": str(c.get("address", "")), "serverName": str(c.get("serverName", "")),
-            "state": str(c.get("state", "")), "streams": int(c.get("streams", 0) or 0),
+    """A row of NodeConnections.info() as a NodeConnection of schema/host.capnp."""
+    known = {"target", "serverName", "state", "openStreams"}
+    detail = ", ".join(f"{k} {v}" for k, v in sorted(c.items())
+                       if k not in known and v not in (None, ""))
+    return {"address": str(c.get("target", "")), "serverName": str(c.get("serverName", "")),
+            "state": str(c.get("state", "")), "streams": int(c.get("openStreams", 0) or 0),
             "detail": detail}
 
 
