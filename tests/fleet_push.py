@@ -1,0 +1,439 @@
+"""The control plane's side of node connections, for tests and the bench: a TLS listener that
+takes the connection a node dials (ALPN feos-node/1, trustme's certificates) and an HTTP/2 client
+on it (h2, client side) that pushes calls: `call(service, method, params) -> results dict`,
+concurrent calls, a stream read item by item, a stream reset.
+
+`PushListener(ca)`: `ssl_context_for_node()` is the context the node dials with (it trusts the
+CA and shows a node certificate of the CA); `serve()` accepts; `accept()` is the next node's
+connection as a `PushClient`. `PushClient.run` is its loop (start it in a nursery).
+"""
+
+from __future__ import annotations
+
+import ssl
+import struct
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+from urllib.parse import unquote
+
+import attrs
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import h2.settings
+import trio
+import trustme
+
+from feos._names import camel
+from feos.errors import Code, FeosError
+from feos.fleet._calls import INTERFACES, PULLS, _struct
+
+ALPN = "feos-node/1"
+SERVER_NAME = "control-plane.feos.test"
+ITEM = struct.Struct(">I")
+
+
+def results_module(service: str, method: str) -> Any:
+    m = INTERFACES[service]().schema.methods[method]
+    return _struct(m.result_type, f"{method}$Results")
+
+
+def params_body(service: str, method: str, params: Mapping[str, Any]) -> bytes:
+    m = INTERFACES[service]().schema.methods[method]
+    return bytes(_struct(m.param_type, f"{method}$Params").new_message(**params).to_bytes())
+
+
+def decode(module: Any, body: bytes) -> dict[str, Any]:
+    with module.from_bytes(body) as reader:
+        found: dict[str, Any] = reader.to_dict()
+        return found
+
+
+def status_of(trailers: Mapping[bytes, bytes]) -> tuple[Code, str]:
+    code = Code(int(trailers.get(b"feos-status", b"2")))
+    return code, unquote(trailers.get(b"feos-message", b"").decode())
+
+
+@attrs.define
+class Response:
+    """A stream's answer as it came: headers, body, trailers (the trailers-only answer's
+    headers are its trailers too), the RST_STREAM code if the node reset it."""
+
+    headers: dict[bytes, bytes] = attrs.Factory(dict)
+    body: bytearray = attrs.Factory(bytearray)
+    trailers: dict[bytes, bytes] = attrs.Factory(dict)
+    reset: int | None = None
+
+    @property
+    def status(self) -> tuple[Code, str]:
+        return status_of(self.trailers or self.headers)
+
+
+@attrs.define
+class _Pending:
+    response: Response = attrs.Factory(Response)
+    done: trio.Event = attrs.Factory(trio.Event)
+    progress: trio.Event = attrs.Factory(trio.Event)
+
+
+class _Counted(h2.connection.H2Connection):
+    """h2's client, its open streams counted by the client (h2 walks them all per stream)."""
+
+    count: Any
+
+    @property
+    def open_outbound_streams(self) -> int:
+        return int(self.count())
+
+
+class PushClient:
+    """The control plane's HTTP/2 client on one node connection."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self.h2 = _Counted(h2.config.H2Configuration(client_side=True, header_encoding=None))
+        self.h2.count = lambda: len(self._pending)
+        self.h2.local_settings = h2.settings.Settings(client=True, initial_values={
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 4 * 1024 * 1024,
+            h2.settings.SettingCodes.ENABLE_PUSH: 0,
+        })
+        self._pending: dict[int, _Pending] = {}
+        self._send_lock = trio.Lock()
+        self._dirty = trio.Event()
+        self._slots = trio.Semaphore(100)  # until the node's SETTINGS say more
+        self._settled = trio.Event()
+        self.goaway: h2.events.ConnectionTerminated | None = None
+        self.closed = trio.Event()
+        self.answer_pings = True
+        self.pings_seen = 0
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self.h2.initiate_connection()
+        self.h2.increment_flow_control_window(64 * 1024 * 1024)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._writer)
+            self._dirty.set()
+            task_status.started()
+            try:
+                await self._reader()
+            finally:
+                self.closed.set()
+                for pending in self._pending.values():
+                    pending.done.set()
+                    pending.progress.set()
+                nursery.cancel_scope.cancel()
+
+    async def _writer(self) -> None:
+        while True:
+            await self._dirty.wait()
+            self._dirty = trio.Event()
+            data = self.h2.data_to_send()
+            if data:
+                try:
+                    await self.stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return
+
+    async def _reader(self) -> None:
+        while True:
+            try:
+                data = await self.stream.receive_some(256 * 1024)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            if not self.answer_pings:
+                data = _drop_pings(data)
+            try:
+                events = self.h2.receive_data(data)
+            except h2.exceptions.ProtocolError:
+                self._dirty.set()
+                return
+            for event in events:
+                self._on(event)
+            self._dirty.set()
+
+    def _on(self, event: h2.events.Event) -> None:
+        sid = getattr(event, "stream_id", None)
+        pending = self._pending.get(sid) if sid else None
+        if isinstance(event, h2.events.RemoteSettingsChanged):
+            limit = self.h2.remote_settings.max_concurrent_streams
+            if not self._settled.is_set():
+                self._settled.set()
+                self._slots = trio.Semaphore(min(limit, 10_000))
+        elif isinstance(event, h2.events.PingReceived):
+            self.pings_seen += 1
+        elif isinstance(event, h2.events.ConnectionTerminated):
+            self.goaway = event
+        elif pending is None:
+            return
+        elif isinstance(event, h2.events.ResponseReceived):
+            pending.response.headers = dict(event.headers or ())
+        elif isinstance(event, h2.events.DataReceived):
+            pending.response.body += event.data or b""
+            self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            pending.progress.set()
+            pending.progress = trio.Event()
+        elif isinstance(event, h2.events.TrailersReceived):
+            pending.response.trailers = dict(event.headers or ())
+        elif isinstance(event, h2.events.StreamEnded):
+            pending.done.set()
+            pending.progress.set()
+        elif isinstance(event, h2.events.StreamReset):
+            pending.response.reset = event.error_code
+            pending.done.set()
+            pending.progress.set()
+
+    # -- calls ---------------------------------------------------------------------------------
+
+    async def request(self, path: str, body: bytes, *, method: bytes = b"POST",
+                      end: bool = True) -> tuple[int, _Pending]:
+        """A stream opened with the call's headers and body."""
+        await self._settled.wait()
+        await self._slots.acquire()
+        sid = self.h2.get_next_available_stream_id()
+        pending = self._pending[sid] = _Pending()
+        self.h2.send_headers(sid, [(b":method", method), (b":scheme", b"https"),
+                                   (b":authority", b"node"), (b":path", path.encode()),
+                                   (b"content-type", b"application/x-capnp")],
+                             end_stream=not body and end)
+        if body:
+            self._send_body(sid, body, end)
+        self._dirty.set()
+        return sid, pending
+
+    def _send_body(self, sid: int, body: bytes, end: bool) -> None:
+        size = self.h2.max_outbound_frame_size
+        for at in range(0, len(body), size):
+            last = at + size >= len(body)
+            self.h2.send_data(sid, body[at:at + size], end_stream=last and end)
+
+    async def finish(self, sid: int, pending: _Pending) -> Response:
+        try:
+            await pending.done.wait()
+        finally:
+            self._pending.pop(sid, None)
+            self._slots.release()
+        return pending.response
+
+    async def raw(self, path: str, body: bytes, *, method: bytes = b"POST") -> Response:
+        sid, pending = await self.request(path, body, method=method)
+        return await self.finish(sid, pending)
+
+    async def call(self, service: str, method: str, params: Mapping[str, Any] | None = None
+                   ) -> dict[str, Any]:
+        """The results dict (its status from the trailers when the answer has no body)."""
+        response = await self.raw(f"/{service}/{method}",
+                                  params_body(service, method, params or {}))
+        return results_of(response, results_module(service, method))
+
+    async def call_ok(self, service: str, method: str,
+                      params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The results, or the FeosError of their status."""
+        results = await self.call(service, method, params)
+        raise_for(results)
+        return results
+
+    @asynccontextmanager
+    async def stream_call(self, service: str, method: str,
+                          params: Mapping[str, Any]) -> AsyncIterator[PushStream]:
+        sid, pending = await self.request(f"/{service}/{method}",
+                                          params_body(service, method, params))
+        stream = PushStream(self, sid, pending, results_module(service, method),
+                            _item_module(service, method))
+        try:
+            yield stream
+        finally:
+            if not pending.done.is_set():
+                self.reset(sid)
+            self._pending.pop(sid, None)
+            self._slots.release()
+
+    def reset(self, sid: int, code: int = 8) -> None:
+        """RST_STREAM (CANCEL by default)."""
+        try:
+            self.h2.reset_stream(sid, code)
+        except h2.exceptions.ProtocolError:
+            pass
+        self._dirty.set()
+
+    async def aclose(self) -> None:
+        try:
+            self.h2.close_connection()
+        except h2.exceptions.ProtocolError:
+            pass
+        data = self.h2.data_to_send()
+        with trio.move_on_after(2):
+            if data:
+                try:
+                    await self.stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+        await trio.aclose_forcefully(self.stream)
+
+
+def results_of(response: Response, module: Any) -> dict[str, Any]:
+    code, message = response.status
+    if response.body and response.headers.get(b"content-type") == b"application/x-capnp":
+        results = decode(module, bytes(response.body))
+    else:
+        results = {}
+    results["status"] = {"code": camel(code.name.lower()), "message": message}
+    if response.reset is not None:
+        results["reset"] = response.reset
+    return results
+
+
+def raise_for(results: Mapping[str, Any]) -> None:
+    status = results["status"]
+    code = Code[_snake_upper(status["code"])]
+    if code != Code.OK:
+        raise FeosError(code, status["message"])
+
+
+def _snake_upper(name: str) -> str:
+    return "".join("_" + c if c.isupper() else c for c in name).upper()
+
+
+def _item_module(service: str, method: str) -> Any:
+    """The results of the pulls of a stream method's capability (EventStream.next, ...)."""
+    m = INTERFACES[service]().schema.methods[method]
+    for field in m.result_type.fields_list:
+        if field.proto.slot.type.which() == "interface":
+            iface = field.schema  # the capability's interface schema
+            name = str(iface.node.displayName).rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+            pull = PULLS[name][0]
+            return _struct(iface.methods[pull].result_type, f"{pull}$Results")
+    raise ValueError(f"{service}.{method} answers no stream")
+
+
+class PushStream:
+    """A long-lived answer read item by item: `first` (the method's results), then `items()`,
+    then `status` from the trailers."""
+
+    def __init__(self, client: PushClient, sid: int, pending: _Pending, first: Any,
+                 item: Any) -> None:
+        self.client = client
+        self.sid = sid
+        self.pending = pending
+        self._first_module = first
+        self._item_module = item
+        self._at = 0
+        self._first_read = False
+
+    async def _next_message(self) -> bytes | None:
+        body = self.pending.response.body
+        while True:
+            if len(body) - self._at >= ITEM.size:
+                (size,) = ITEM.unpack_from(body, self._at)
+                if len(body) - self._at - ITEM.size >= size:
+                    start = self._at + ITEM.size
+                    self._at = start + size
+                    return bytes(body[start:self._at])
+            if self.pending.done.is_set():
+                return None
+            await self.pending.progress.wait()
+
+    async def first(self) -> dict[str, Any]:
+        """The method's results; or, for a trailers-only answer, its status alone."""
+        self._first_read = True
+        if self.pending.response.headers == {}:
+            while not self.pending.response.headers and not self.pending.done.is_set():
+                await self.pending.progress.wait()
+        if self.pending.response.headers.get(b"content-type") != b"application/x-capnp-stream":
+            await self.pending.done.wait()
+            return results_of(self.pending.response, self._first_module)
+        message = await self._next_message()
+        return decode(self._first_module, message) if message is not None else {}
+
+    async def items(self) -> AsyncIterator[dict[str, Any]]:
+        if not self._first_read:
+            await self.first()
+        while True:
+            message = await self._next_message()
+            if message is None:
+                return
+            yield decode(self._item_module, message)
+
+    @property
+    def status(self) -> tuple[Code, str]:
+        return self.pending.response.status
+
+    def reset(self) -> None:
+        self.client.reset(self.sid)
+
+
+def _drop_pings(data: bytes) -> bytes:
+    """The bytes without PING frames that are not ACKs (a control plane that stopped answering
+    pings; assumes frames arrive whole, as they do over loopback in one read)."""
+    out = bytearray()
+    at = 0
+    while at + 9 <= len(data):
+        length = int.from_bytes(data[at:at + 3], "big")
+        kind, flags = data[at + 3], data[at + 4]
+        end = at + 9 + length
+        if not (kind == 6 and not flags & 1):
+            out += data[at:end]
+        at = end
+    out += data[at:]
+    return bytes(out)
+
+
+# -- the listener ------------------------------------------------------------------------------
+
+
+class PushListener:
+    """The control plane's TLS port for node connections (trustme's CA)."""
+
+    def __init__(self, ca: trustme.CA | None = None, *, alpn: str = ALPN,
+                 server_name: str = SERVER_NAME) -> None:
+        self.ca = ca or trustme.CA()
+        self.server_name = server_name
+        self.cert = self.ca.issue_cert(server_name)
+        self.server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.server_ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        self.cert.configure_cert(self.server_ctx)
+        self.ca.configure_trust(self.server_ctx)
+        self.server_ctx.verify_mode = ssl.CERT_REQUIRED
+        self.server_ctx.set_alpn_protocols([alpn])
+        self.port = 0
+        self._send, self._receive = trio.open_memory_channel[PushClient](64)
+        self.accepted = 0
+
+    def ssl_context_for_node(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        self.ca.configure_trust(ctx)
+        self.ca.issue_cert("node.feos.test").configure_cert(ctx)
+        ctx.set_alpn_protocols([ALPN])
+        return ctx
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        tls = [trio.SSLListener(lst, self.server_ctx, https_compatible=False)
+               for lst in listeners]
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            await trio.serve_listeners(self._take, tls, handler_nursery=nursery)
+
+    async def _take(self, stream: trio.SSLStream[trio.SocketStream]) -> None:
+        try:
+            with trio.fail_after(10):
+                await stream.do_handshake()
+        except (trio.BrokenResourceError, trio.TooSlowError):
+            await trio.aclose_forcefully(stream)
+            return
+        self.accepted += 1
+        client = PushClient(stream)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.run)
+            await self._send.send(client)
+
+    async def accept(self) -> PushClient:
+        """The next node connection, its HTTP/2 client running."""
+        return await self._receive.receive()

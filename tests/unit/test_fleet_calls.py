@@ -1,0 +1,184 @@
+"""The node connections' Dispatcher (feos.fleet._calls) over feosd's real volume service and pod
+events: paths, Cap'n Proto bodies, where a call runs, and what a dropped wait does.
+
+The link runs on a trio run of its own in another thread (as in feosd): `link(fn)` runs fn there
+while this test's run plays feosd's runtime.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import trio
+
+from feos import _schema
+from feos.errors import Code
+from feos.fleet._calls import Answer, Dispatcher, _struct
+from feos.pods import VolumeService
+from feos.pods._events import EventHub
+from feos.rpc import Cap
+
+T = TypeVar("T")
+VOLUME = "0b9bb4c4-5d43-4c2b-9d3a-6f2d3c4e5f60"
+
+
+def body(service: str, method: str, **params: Any) -> bytes:
+    iface = {"volumes": _schema.volume().VolumeService, "pods": _schema.pod().PodService,
+             "mesh": _schema.network().MeshService}[service]
+    m = iface.schema.methods[method]
+    return bytes(_struct(m.param_type, "p").new_message(**params).to_bytes())
+
+
+def results(service: str, method: str, answer: Answer) -> dict[str, Any]:
+    iface = {"volumes": _schema.volume().VolumeService, "pods": _schema.pod().PodService,
+             "mesh": _schema.network().MeshService}[service]
+    assert answer.body is not None
+    with _struct(iface.schema.methods[method].result_type, "r").from_bytes(answer.body) as r:
+        found: dict[str, Any] = r.to_dict()
+        return found
+
+
+async def until(cond: Callable[[], bool], within: float = 5.0) -> None:
+    """A bounded poll of what happens on another thread, which no trio event of ours tells."""
+    with trio.fail_after(within):
+        while not cond():  # noqa: ASYNC110 (a condition without an event)
+            await trio.sleep(0.005)
+
+
+async def link(fn: Callable[[], Awaitable[T]]) -> T:
+    """fn() on a trio run of its own in another thread, as the link runs."""
+    return await trio.to_thread.run_sync(trio.run, fn)
+
+
+@pytest.fixture
+async def volumes(tmp_path: Path) -> AsyncIterator[VolumeService]:
+    service = VolumeService(tmp_path)
+    service.load()
+    yield service
+    service.close()
+
+
+class Pods:
+    """PodService's watchEvents over the real EventHub, and a change that takes its time."""
+
+    def __init__(self) -> None:
+        self.events = EventHub()
+        self.started = threading.Event()
+        self.cancelled = False
+
+    async def watch_events(self, params: dict[str, Any]) -> dict[str, Any]:
+        return {"stream": Cap(_schema.pod().EventStream, self.events.watch(params["podId"]))}
+
+    async def get_pod(self, params: dict[str, Any]) -> dict[str, Any]:
+        self.started.set()
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            self.cancelled = True
+            raise
+        raise AssertionError("unreachable")
+
+
+async def test_volume_calls_run_on_feosd_s_runtime_from_the_link_s_thread(
+        volumes: VolumeService) -> None:
+    calls = Dispatcher({"volumes": volumes}, trio.lowlevel.current_trio_token())
+
+    async def pushed() -> list[Answer]:
+        return [
+            await calls.call("/volumes/createVolume",
+                             body("volumes", "createVolume", id=VOLUME, sizeBytes=64 << 20)),
+            await calls.call("/volumes/getVolume", body("volumes", "getVolume", id=VOLUME)),
+            await calls.call("/volumes/deleteVolume", body("volumes", "deleteVolume", id=VOLUME)),
+            await calls.call("/volumes/getVolume", body("volumes", "getVolume", id=VOLUME)),
+        ]
+
+    created, got, deleted, gone = await link(pushed)
+    assert created.code == Code.OK
+    assert results("volumes", "createVolume", created)["volume"]["sizeBytes"] == 64 << 20
+    assert results("volumes", "getVolume", got)["volume"]["id"] == VOLUME
+    assert deleted.code == Code.OK
+    assert (gone.code, gone.message) == (Code.NOT_FOUND, f"volume {VOLUME} does not exist")
+    assert results("volumes", "getVolume", gone)["status"]["code"] == "notFound"
+
+
+async def test_paths_and_bodies_that_name_no_call(volumes: VolumeService) -> None:
+    calls = Dispatcher({"volumes": volumes}, trio.lowlevel.current_trio_token())
+    for path in ("/volumes/nope", "/nope/getVolume", "/volumes", "", "/"):
+        answer = await calls.call(path, b"")
+        assert (answer.code, answer.http_status, answer.body) == (Code.UNIMPLEMENTED, 404, None)
+    for bad in (b"garbage!", b"\xff" * 16, b"\0\0\0\0\x10\0\0\0"):
+        answer = await calls.call("/volumes/getVolume", bad)
+        assert answer.code == Code.INVALID_ARGUMENT
+        assert answer.message.startswith("the body is not the method's params")
+        assert answer.body is None
+    empty = await calls.call("/volumes/listVolumes", b"")  # an empty body: every field unset
+    assert (empty.code, results("volumes", "listVolumes", empty).get("volumes", [])) == (Code.OK, [])
+    wrong = await calls.call("/volumes/getVolume", body("volumes", "getVolume", id="x"))
+    assert wrong.code == Code.INVALID_ARGUMENT  # the service's own check, as on the socket
+
+
+async def test_a_service_without_the_method_answers_unimplemented_with_a_body() -> None:
+    calls = Dispatcher({"mesh": object()}, trio.lowlevel.current_trio_token())
+    answer = await calls.call("/mesh/putMeshPeers", body("mesh", "putMeshPeers"))
+    assert (answer.code, answer.message) == (Code.UNIMPLEMENTED, "putMeshPeers is not built yet")
+    assert results("mesh", "putMeshPeers", answer)["status"]["code"] == "unimplemented"
+
+
+async def test_a_dropped_wait_cancels_the_call_where_it_runs() -> None:
+    pods = Pods()
+    calls = Dispatcher({"pods": pods}, trio.lowlevel.current_trio_token())
+
+    async def pushed() -> None:
+        with trio.move_on_after(0.2):
+            await calls.call("/pods/getPod", body("pods", "getPod", id="p"))
+
+    await link(pushed)
+    await until(lambda: pods.cancelled)
+    assert pods.started.is_set()
+
+
+async def test_a_stream_hands_out_its_pulls_and_lets_go_at_its_close() -> None:
+    pods = Pods()
+    calls = Dispatcher({"pods": pods}, trio.lowlevel.current_trio_token())
+    pulled: list[bytes | None] = []
+
+    async def pushed() -> Answer:
+        answer = await calls.call("/pods/watchEvents", body("pods", "watchEvents", podId="a"))
+        assert answer.items is not None
+        pulled.append(await answer.items.next())
+        answer.items.close()
+        return answer
+
+    async def publish() -> None:
+        await until(lambda: bool(pods.events.watchers))
+        pods.events.publish("b", "running")
+        pods.events.publish("a", "running", reason="started")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(publish)
+        answer = await link(pushed)
+    assert answer.code == Code.OK
+    assert "stream" not in results("pods", "watchEvents", answer)  # the stream is the items
+    item = pulled[0]
+    assert item is not None
+    m = _schema.pod().EventStream.schema.methods["next"]
+    with _struct(m.result_type, "n").from_bytes(item) as reader:
+        events = reader.to_dict()["events"]
+    assert [(e["podId"], e["reason"]) for e in events] == [("a", "started")]
+    await until(lambda: not pods.events.watchers)  # the close reached feosd's runtime
+
+
+async def test_feosd_s_runtime_gone_answers_unavailable() -> None:
+    token: list[trio.lowlevel.TrioToken] = []
+
+    async def main() -> None:
+        token.append(trio.lowlevel.current_trio_token())
+
+    await link(main)  # a runtime that has ended
+    calls = Dispatcher({"pods": Pods()}, token[0])
+    answer = await calls.call("/pods/getPod", body("pods", "getPod", id="p"))
+    assert (answer.code, answer.message) == (Code.UNAVAILABLE, "feosd stops")
