@@ -6,7 +6,6 @@ boots (the reports list no pods), so these need no VM lock.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import socket
@@ -25,8 +24,6 @@ from controlplane_ca import TestCA
 
 pytestmark = pytest.mark.integration
 NAME = socket.gethostname()
-# The node connections are the fleeth2 branch's (feos.fleet._nodeconn): checked where built in.
-NODE_CONNECTIONS = importlib.util.find_spec("feos.fleet._nodeconn") is not None
 
 
 @pytest.fixture
@@ -70,11 +67,13 @@ def test_join_reports_events_mesh_and_the_stop(tmp_path: Path, cp: ControlPlane)
         cp.wait_for(lambda: (node_dir / "mesh" / "mesh.pb").exists(), why="mesh.pb")
         cp.wait_for(lambda: any(r["telemetry"]["meshTaken"] for r in cp.reports[1:]),
                     why="a report after the mesh's answer was taken")
-        if NODE_CONNECTIONS:
-            assert cp.wait_for(lambda: cp.node_connections, why="a node connection")
+        assert cp.wait_for(lambda: cp.node_connections, why="a node connection")
+        pushed = cp.push("host", "getHostInfo")  # a call over the node connection
+        assert pushed["info"]["pid"] == feosd.proc.pid
         shown = feosd.ctl_json("host", "control-plane")
         assert shown["identity"]["spiffeId"] == f"spiffe://feos.local/node/{NAME}"
         assert shown["uplink"]["state"] == "joined" and shown["uplink"]["meshPrefix"] == cp.prefix
+        assert [c["state"] for c in shown["connections"]] == ["connected"]
         feosd.stop()
         assert feosd.proc.returncode == 0
     assert "stopping" in kinds(cp)
@@ -158,14 +157,15 @@ def block_feosd(feosd: Feosd, seconds: float) -> None:
 def test_a_blocked_main_loop_stops_neither_reports_nor_pings_for_30s(tmp_path: Path,
                                                                     cp: ControlPlane) -> None:
     with node(tmp_path, cp, cp.token()).start() as feosd:
-        cp.wait_for(lambda: cp.reports and (cp.node_connections or not NODE_CONNECTIONS),
-                    why="a report and a node connection")
+        cp.wait_for(lambda: cp.reports and cp.node_connections, why="a report and a connection")
+        pinger = cp.pushers[-1]
         block_feosd(feosd, 30)
         time.sleep(1)
-        start, connections = len(cp.reports), cp.node_connections
+        start, connections, pings = len(cp.reports), cp.node_connections, pinger.pings_seen
         time.sleep(27)
         assert len(cp.reports) - start >= 7  # every 3 s, with the pods as they were
         assert cp.node_connections == connections  # pinged on, never dropped
+        assert pinger.pings_seen >= pings + 1  # feosd's own pings went on
         assert feosd.ctl("host", "info", timeout=60).returncode == 0
 
 

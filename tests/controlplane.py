@@ -7,7 +7,7 @@ secrets in `tokens` (others are refused with PERMISSION_DENIED and counted), iss
 certificates from their signing requests, lists `instances`, takes reports and events (and
 acknowledges them), answers JoinMesh with `ula` and `prefix`, renews, and refuses the nodes in
 `removed` with PERMISSION_DENIED. It also takes node connections (ALPN feos-node/1) as the HTTP/2
-client, answering their pings, and counts them.
+client (tests/fleet_push.py's PushClient), counts them, and pushes calls on them (`push`).
 
 Tests read what it saw (`joins`, `refused`, `reports`, `events`, `mesh_calls`, `renewals`,
 `node_connections`) and wait with `wait_for`.
@@ -28,6 +28,7 @@ import h2.connection
 import h2.events
 import trio
 from controlplane_ca import TestCA, key_pem, pem
+from fleet_push import PushClient
 
 from feos.errors import Code
 from feos.fleet._h2client import decode, encode, params_type, results_type
@@ -59,6 +60,7 @@ class ControlPlane:
         self.mesh_calls: list[dict[str, Any]] = []
         self.renewals = 0
         self.node_connections = 0
+        self.pushers: list[PushClient] = []
         self.port = 0
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -140,18 +142,24 @@ class ControlPlane:
             await trio.aclose_forcefully(stream)
 
     async def _hold_node_connection(self, stream: trio.SSLStream[Any]) -> None:
-        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-        conn.initiate_connection()
-        await stream.send_all(conn.data_to_send())
-        while True:
-            data = await stream.receive_some(65536)
-            if not data:
-                return
-            for event in conn.receive_data(data):
-                if isinstance(event, h2.events.ConnectionTerminated):
-                    await stream.send_all(conn.data_to_send())
-                    return
-            await stream.send_all(conn.data_to_send())
+        client = PushClient(stream)
+        self.pushers.append(client)
+        try:
+            await client.run()
+        finally:
+            self.pushers.remove(client)
+
+    def push(self, service: str, method: str, params: dict[str, Any] | None = None,
+             timeout: float = 30.0) -> dict[str, Any]:
+        """A call pushed over the newest node connection (tests/fleet_push.py), from any thread."""
+        self.wait_for(lambda: self.pushers, timeout, why="a node connection")
+
+        async def call() -> dict[str, Any]:
+            with trio.fail_after(timeout):
+                return await self.pushers[-1].call(service, method, params)
+
+        assert self._token is not None
+        return trio.from_thread.run(call, trio_token=self._token)
 
     # -- the uplink's HTTP/2 ---------------------------------------------------------------
 

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 RESUMES_WAIT_S = 120.0
 ACK_WAIT_S = 3.0
 COLLECT_WAIT_S = 1.0
+RESTART_S = 5.0
 
 
 class Runtime:
@@ -268,8 +269,18 @@ class Link:
             async with trio.open_nursery() as nursery:
                 if self.connections is not None:
                     await nursery.start(self.connections.run)
-                nursery.start_soon(self.uplink.run)
+                nursery.start_soon(self._supervised)
         self.uplink.status.state = "stopped"
+
+    async def _supervised(self) -> None:
+        """The uplink, started again after a fault of its own: the link outlives its bugs."""
+        while True:
+            try:
+                await self.uplink.run()
+            except Exception:
+                log.exception("the uplink failed; it starts again in 5 s")
+                self.uplink.status.last_error = "the uplink failed (feosd's log says why)"
+            await trio.sleep(RESTART_S)
 
     async def stop(self, grace: float, kind: str = "stopping") -> None:
         """From feosd's runtime: tell the control plane, close the node connections, end."""
