@@ -80,6 +80,22 @@ def test_join_reports_events_mesh_and_the_stop(tmp_path: Path, cp: ControlPlane)
     assert "did not acknowledge" not in feosd.log_text()
 
 
+def test_a_stop_tells_the_control_plane_and_ends_a_stream_with_unavailable(
+        tmp_path: Path, cp: ControlPlane) -> None:
+    with node(tmp_path, cp, cp.token(), "--stop-grace", "20").start() as feosd:
+        cp.wait_for(lambda: cp.reports and cp.node_connections, why="a report and a connection")
+        stream = cp.watch("pods", "watchEvents", {"podId": ""})
+        assert stream["status"] is None  # a long-lived stream, in flight
+        feosd.stop()
+        assert feosd.proc.returncode == 0
+        stopping = [e for e in cp.events if e["kind"] == "stopping"]
+        assert len(stopping) == 1
+        # the stream ended with the stop (within the calls' 2 s and the 5 s of the close)
+        cp.wait_for(lambda: stream["status"] is not None, timeout=10, why="the stream's end")
+        assert "closing the node connections (their calls: 2s at most)" in feosd.log_text()
+    assert "did not acknowledge" not in feosd.log_text()
+
+
 def test_the_same_key_after_a_restart_and_no_second_join(tmp_path: Path, cp: ControlPlane) -> None:
     first = node(tmp_path, cp, cp.token()).start()
     with first:
@@ -125,7 +141,10 @@ def test_renewals_keep_the_key_and_the_reports(tmp_path: Path) -> None:
     with ControlPlane(tmp_path / "cp", renew_in_s=2) as cp, node(tmp_path, cp, cp.token()).start() as feosd:
         key = cp.wait_for(lambda: (feosd.state_dir / "node" / "key.pem").exists() and
                           (feosd.state_dir / "node" / "key.pem").read_bytes())
+        cp.wait_for(lambda: cp.node_connections, why="a node connection")
         cp.wait_for(lambda: cp.renewals >= 2, why="two renewals")
+        # the node connections dial anew with the new certificate
+        cp.wait_for(lambda: cp.node_connections >= 2, why="a node connection after a renewal")
         reports = len(cp.reports)
         cp.wait_for(lambda: len(cp.reports) > reports + 1, why="reports after the renewals")
         assert (feosd.state_dir / "node" / "key.pem").read_bytes() == key

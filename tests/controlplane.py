@@ -66,6 +66,7 @@ class ControlPlane:
         self._token: trio.lowlevel.TrioToken | None = None
         self._cancel: trio.CancelScope | None = None
         self._ready = threading.Event()
+        self._nursery: Any = None
 
     @property
     def address(self) -> str:
@@ -126,7 +127,8 @@ class ControlPlane:
             self.port = listeners[0].socket.getsockname()[1]
             self._ready.set()
             ssl_listeners = [trio.SSLListener(lis, ctx, https_compatible=True) for lis in listeners]
-            await trio.serve_listeners(self._connection, ssl_listeners)
+            async with trio.open_nursery() as self._nursery:
+                await trio.serve_listeners(self._connection, ssl_listeners)
 
     async def _connection(self, stream: trio.SSLStream[Any]) -> None:
         try:
@@ -148,6 +150,26 @@ class ControlPlane:
             await client.run()
         finally:
             self.pushers.remove(client)
+
+    def watch(self, service: str, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        """A stream pushed over the newest node connection, read on in the background: its
+        items, then its status (`status`, None while it runs) in the dict returned."""
+        self.wait_for(lambda: self.pushers, why="a node connection")
+        seen: dict[str, Any] = {"items": [], "status": None, "opened": threading.Event()}
+        client = self.pushers[-1]
+
+        async def read() -> None:
+            async with client.stream_call(service, method, params) as stream:
+                seen["first"] = await stream.first()
+                seen["opened"].set()
+                async for item in stream.items():
+                    seen["items"].append(item)
+                seen["status"] = stream.status
+
+        assert self._token is not None
+        self._token.run_sync_soon(lambda: self._nursery.start_soon(read))
+        assert seen["opened"].wait(30), "the stream did not open"
+        return seen
 
     def push(self, service: str, method: str, params: dict[str, Any] | None = None,
              timeout: float = 30.0) -> dict[str, Any]:

@@ -305,7 +305,10 @@ class Link:
             if scope.cancelled_caught:
                 log.warning("the control plane did not acknowledge the %s event within 3 s", kind)
         if self._resumed.is_set() and self.connections is not None:
+            log.info("closing the node connections (their calls: %gs at most)",
+                     min(grace / 10, 30.0))
             await self.connections.stop(min(grace / 10, 30.0))
+        log.info("the control-plane link ends")
         assert self._cancel is not None
         self._cancel.cancel()
 
