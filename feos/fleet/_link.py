@@ -286,12 +286,14 @@ class Link:
         """From feosd's runtime: tell the control plane, close the node connections, end."""
         if self._thread is None or self._token is None:
             return
-        token = self._token
-        await trio.to_thread.run_sync(self._stop_blocking, token, grace, kind)
+        await trio.to_thread.run_sync(self.stop_blocking, grace, kind)
 
-    def _stop_blocking(self, token: trio.lowlevel.TrioToken, grace: float, kind: str) -> None:
+    def stop_blocking(self, grace: float, kind: str = "stopping") -> None:
+        """The stop, from a thread that is not the link's (feosd's stop runs it on a worker)."""
+        if self._thread is None or self._token is None:
+            return
         try:
-            trio.from_thread.run(self._stop_in_link, grace, kind, trio_token=token)
+            trio.from_thread.run(self._stop_in_link, grace, kind, trio_token=self._token)
         except trio.RunFinishedError:
             pass
         assert self._thread is not None
