@@ -110,6 +110,21 @@ def test_the_same_key_after_a_restart_and_no_second_join(tmp_path: Path, cp: Con
         assert len({e["startId"] for e in cp.events}) == 2
 
 
+def test_a_failed_join_is_tried_again_with_the_same_key(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nothing listens on, until the control plane starts
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cp = ControlPlane(tmp_path / "cp", port=port)
+    with node(tmp_path, cp, cp.token()).start() as feosd:
+        key_file = feosd.state_dir / "node" / "key.pem"
+        cp.wait_for(lambda: "the join: UNAVAILABLE" in feosd.log_text(), why="a failed join")
+        key = key_file.read_bytes()
+        with cp:
+            cp.wait_for(lambda: cp.joins, why="the join tried again")
+            assert key_file.read_bytes() == key
+            cp.wait_for(lambda: cp.reports, why="a report")
+
+
 def test_a_wrong_pin_sends_no_secret(tmp_path: Path, cp: ControlPlane) -> None:
     with node(tmp_path, cp, cp.token(pin=TestCA().pin)).start() as feosd:
         cp.wait_for(lambda: "root check" in feosd.log_text(), why="the refusal's log line")

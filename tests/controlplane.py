@@ -44,7 +44,8 @@ class Refuse(Exception):
 class ControlPlane:
     def __init__(self, root: Path, *, ca: TestCA | None = None, tokens: tuple[str, ...] = ("s3cret",),
                  instances: list[dict[str, str]] | None = None, renew_in_s: float = 0,
-                 ula: str = "fd12:3456:789a:1::/64", prefix: str = "fd12:3456:789a:1:0:1::/96") -> None:
+                 ula: str = "fd12:3456:789a:1::/64", prefix: str = "fd12:3456:789a:1:0:1::/96",
+                 port: int = 0) -> None:
         self.root = root
         self.ca = ca or TestCA()
         self.tokens = set(tokens)
@@ -61,7 +62,7 @@ class ControlPlane:
         self.renewals = 0
         self.node_connections = 0
         self.pushers: list[PushClient] = []
-        self.port = 0
+        self.port = port
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._cancel: trio.CancelScope | None = None
@@ -123,7 +124,7 @@ class ControlPlane:
         ctx = self._context()
         self._token = trio.lowlevel.current_trio_token()
         with trio.CancelScope() as self._cancel:
-            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            listeners = await trio.open_tcp_listeners(self.port, host="127.0.0.1")
             self.port = listeners[0].socket.getsockname()[1]
             self._ready.set()
             ssl_listeners = [trio.SSLListener(lis, ctx, https_compatible=True) for lis in listeners]
