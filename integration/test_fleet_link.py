@@ -125,6 +125,22 @@ def test_a_failed_join_is_tried_again_with_the_same_key(tmp_path: Path) -> None:
             cp.wait_for(lambda: cp.reports, why="a report")
 
 
+def test_the_uplink_moves_past_an_instance_that_fails(tmp_path: Path, cp: ControlPlane) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    with node(tmp_path, cp, cp.token()).start() as feosd:
+        cp.wait_for(lambda: cp.reports, why="a report")
+        cp.instances = [{"address": dead, "serverName": "cp.test"},
+                        {"address": cp.address, "serverName": "cp.test"}]
+        info = feosd.state_dir / "node" / "node.json"
+        cp.wait_for(lambda: dead in info.read_text(), why="the instances kept in node.json")
+        reports = len(cp.reports)
+        cp.wait_for(lambda: len(cp.reports) >= reports + 3, why="reports past the dead instance")
+        shown = feosd.ctl_json("host", "control-plane")
+        assert sorted(c["address"] for c in shown["connections"]) == sorted([dead, cp.address])
+
+
 def test_a_wrong_pin_sends_no_secret(tmp_path: Path, cp: ControlPlane) -> None:
     with node(tmp_path, cp, cp.token(pin=TestCA().pin)).start() as feosd:
         cp.wait_for(lambda: "root check" in feosd.log_text(), why="the refusal's log line")

@@ -342,9 +342,15 @@ class Link:
 
 def _connection(c: dict[str, Any]) -> dict[str, Any]:
     """A row of NodeConnections.info() as a NodeConnection of schema/host.capnp."""
-    known = {"target", "serverName", "state", "openStreams"}
-    detail = ", ".join(f"{k} {v}" for k, v in sorted(c.items())
-                       if k not in known and v not in (None, ""))
+    parts = []
+    if c.get("connectedSince"):
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(c["connectedSince"])))
+        parts.append(f"since {since} UTC")
+    if c.get("redialIn") is not None:
+        parts.append(f"redial in {float(c['redialIn']):.0f}s")
+    if c.get("lastError"):
+        parts.append(f"last error: {c['lastError']}")
+    detail = ", ".join(parts)
     return {"address": str(c.get("target", "")), "serverName": str(c.get("serverName", "")),
             "state": str(c.get("state", "")), "streams": int(c.get("openStreams", 0) or 0),
             "detail": detail}
