@@ -131,8 +131,7 @@ def test_the_uplink_moves_past_an_instance_that_fails(tmp_path: Path, cp: Contro
         dead = f"127.0.0.1:{s.getsockname()[1]}"
     with node(tmp_path, cp, cp.token()).start() as feosd:
         cp.wait_for(lambda: cp.reports, why="a report")
-        cp.instances = [{"address": dead, "serverName": "cp.test"},
-                        {"address": cp.address, "serverName": "cp.test"}]
+        cp.instances = [{"address": dead}, {"address": cp.address}]
         info = feosd.state_dir / "node" / "node.json"
         cp.wait_for(lambda: dead in info.read_text(), why="the instances kept in node.json")
         reports = len(cp.reports)

@@ -12,8 +12,8 @@ using Host = import "host.capnp";
 
 struct Instance {
   # One instance of the control plane, where the node dials it for node connections and the uplink.
+  # Its certificate is checked for --control-plane-name, as wherever the node dials.
   address @0 :Text;            # HOST:PORT ([v6]:PORT)
-  serverName @1 :Text;         # the DNS name its certificate must carry; empty: --control-plane-name
 }
 
 struct Event {

@@ -77,13 +77,13 @@ class NodeInfo:
     spiffe_id: str
     not_after_unix_ns: int
     renew_unix_ns: int
-    instances: tuple[tuple[str, str], ...] = ()  # (address, server name)
+    instances: tuple[str, ...] = ()  # HOST:PORT each
 
     def to_json(self) -> bytes:
         return json.dumps({
             "name": self.name, "spiffeId": self.spiffe_id,
             "notAfterUnixNs": self.not_after_unix_ns, "renewUnixNs": self.renew_unix_ns,
-            "instances": [{"address": a, "serverName": n} for a, n in self.instances],
+            "instances": list(self.instances),
         }, indent=2).encode()
 
     @classmethod
@@ -91,8 +91,7 @@ class NodeInfo:
         d: dict[str, Any] = json.loads(data)
         return cls(str(d["name"]), str(d["spiffeId"]), int(d["notAfterUnixNs"]),
                    int(d["renewUnixNs"]),
-                   tuple((str(i["address"]), str(i.get("serverName", "")))
-                         for i in d.get("instances", [])))
+                   tuple(str(i) for i in d.get("instances", [])))
 
 
 def spiffe_id(cert: x509.Certificate) -> str:
@@ -161,7 +160,7 @@ class NodeDir:
         return x509.load_pem_x509_certificates((self.path / BUNDLE).read_bytes())
 
     def keep(self, name: str, chain_pem: str, renew_unix_ns: int, *, bundle_pem: str | None = None,
-             instances: tuple[tuple[str, str], ...] | None = None) -> NodeInfo:
+             instances: tuple[str, ...] | None = None) -> NodeInfo:
         """Keep a chain (a join's or a renewal's) and what comes with it, each file whole."""
         chain = x509.load_pem_x509_certificates(chain_pem.encode())
         if instances is None:
@@ -176,7 +175,7 @@ class NodeDir:
         write_whole(self.path / NODE, info.to_json())
         return info
 
-    def keep_instances(self, instances: tuple[tuple[str, str], ...]) -> None:
+    def keep_instances(self, instances: tuple[str, ...]) -> None:
         info = self.info()
         if info is not None and info.instances != instances:
             write_whole(self.path / NODE, attrs.evolve(info, instances=instances).to_json())

@@ -80,8 +80,7 @@ async def join(node: NodeDir, token: JoinToken, *, address: str, server_name: st
     answer = decode(results_type(uplink(), "join"), body)
     chain_pem, bundle_pem = str(answer.get("chain", "")), str(answer.get("bundle", ""))
     await trio.to_thread.run_sync(check_answer, node, token, chain_pem, bundle_pem)
-    instances = tuple((str(i.get("address", "")), str(i.get("serverName", "")))
-                      for i in answer.get("instances", []))
+    instances = tuple(str(i.get("address", "")) for i in answer.get("instances", []))
     return await trio.to_thread.run_sync(
         lambda: node.keep(name, chain_pem, int(answer.get("renewUnixNs", 0)),
                           bundle_pem=bundle_pem, instances=instances))

@@ -166,8 +166,7 @@ class Uplink:
 
     def _instances(self) -> list[tuple[str, str]]:
         listed = self.info.instances if self.info is not None else ()
-        found = [(a, n or self.cfg.server_name) for a, n in listed]
-        return found or [(self.cfg.control_plane, self.cfg.server_name)]
+        return [(a, self.cfg.server_name) for a in listed or (self.cfg.control_plane,)]
 
     def _set_targets(self) -> None:
         if self.connections is not None:
@@ -282,8 +281,7 @@ class Uplink:
         return self._reports
 
     async def _take_instances(self, listed: list[dict[str, Any]]) -> None:
-        instances = tuple((str(i.get("address", "")), str(i.get("serverName", "")))
-                          for i in listed)
+        instances = tuple(str(i.get("address", "")) for i in listed)
         assert self.info is not None
         if instances != self.info.instances:
             self.info = attrs.evolve(self.info, instances=instances)

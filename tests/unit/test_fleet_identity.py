@@ -48,13 +48,13 @@ def test_a_kept_chain_names_the_node_and_its_renewal(tmp_path: Path) -> None:
     ca = TestCA()
     node = NodeDir(tmp_path / "node")
     chain = ca.issue_node(node.csr("n1"), "n1")
-    info = node.keep("n1", chain, 0, bundle_pem=ca.bundle_pem(), instances=(("a:1", "cp.test"),))
+    info = node.keep("n1", chain, 0, bundle_pem=ca.bundle_pem(), instances=("a:1",))
     assert node.joined() and node.info() == info
     assert info.spiffe_id == "spiffe://feos.local/node/n1"
     assert 0 < info.renew_unix_ns < info.not_after_unix_ns
     assert node.bundle()[0] == ca.root
     renewed = node.keep("n1", ca.issue_node(node.csr("n1"), "n1"), 123)
-    assert renewed.renew_unix_ns == 123 and renewed.instances == (("a:1", "cp.test"),)
+    assert renewed.renew_unix_ns == 123 and renewed.instances == ("a:1",)
 
 
 def test_a_removed_node_moves_aside_with_its_key(tmp_path: Path) -> None:
