@@ -66,3 +66,20 @@ def test_a_removed_node_moves_aside_with_its_key(tmp_path: Path) -> None:
     assert moved.name.startswith("removed-") and (moved / "key.pem").exists()
     assert not node.joined()
     assert node.key().private_numbers() != key.private_numbers()
+
+
+def test_a_join_answer_must_hold_the_pinned_root_and_the_nodes_key(tmp_path: Path) -> None:
+    from feos.fleet._join import check_answer
+
+    ca = TestCA()
+    node = NodeDir(tmp_path / "node")
+    chain = ca.issue_node(node.csr("n1"), "n1")
+    token = JoinToken("s", ca.pin)
+    check_answer(node, token, chain, ca.bundle_pem())
+    with pytest.raises(FeosError) as info:
+        check_answer(node, token, chain, TestCA().bundle_pem())
+    assert info.value.code == Code.UNAUTHENTICATED and "pins" in info.value.message
+    other = NodeDir(tmp_path / "other")
+    with pytest.raises(FeosError) as info:
+        check_answer(node, token, ca.issue_node(other.csr("n1"), "n1"), ca.bundle_pem())
+    assert "node's key" in info.value.message
