@@ -96,6 +96,18 @@ def test_a_stop_tells_the_control_plane_and_ends_a_stream_with_unavailable(
     assert "did not acknowledge" not in feosd.log_text()
 
 
+def test_a_stop_waits_3s_at_most_for_the_acknowledgement(tmp_path: Path, cp: ControlPlane) -> None:
+    with node(tmp_path, cp, cp.token()).start() as feosd:
+        cp.wait_for(lambda: cp.reports, why="a report")
+        cp.ack_events = False
+        began = time.monotonic()
+        assert feosd.stop() == 0
+        took = time.monotonic() - began
+    assert "stopping" in kinds(cp)  # sent, and sent again, but never acknowledged
+    assert "did not acknowledge the stopping event within 3 s" in feosd.log_text()
+    assert 3 <= took < 20
+
+
 def test_the_same_key_after_a_restart_and_no_second_join(tmp_path: Path, cp: ControlPlane) -> None:
     first = node(tmp_path, cp, cp.token()).start()
     with first:

@@ -106,6 +106,7 @@ class Uplink:
         self.info: NodeInfo | None = None
         self.interval = REPORT_S
         self._wakeup = trio.Event()
+        self._ack_moved = trio.Event()
         self._mesh_sent: tuple[bytes, str] | None = None
         self._mesh_due = False
         self._reported = False
@@ -228,17 +229,16 @@ class Uplink:
         next_report = trio.current_time()
         while True:
             assert self.info is not None
+            self._wakeup = trio.Event()  # before the work: an add meanwhile wakes the next wait
             if time.time_ns() >= self.info.renew_unix_ns:
                 await self._renew(client)
             if trio.current_time() >= next_report:
                 next_report = trio.current_time() + self.interval
                 await self._report(client)
-            if self.events.count():
-                await self._send_events(client)
+            more = await self._send_events(client) if self.events.count() else False
             if self._reported and self._mesh_wanted(client):
                 await self._join_mesh(client)
-            self._wakeup = trio.Event()
-            if not self.events.count():
+            if not more:  # unacknowledged events wait for the next report or a new event
                 with trio.move_on_at(next_report):
                     await self._wakeup.wait()
 
@@ -288,17 +288,22 @@ class Uplink:
             await trio.to_thread.run_sync(self.node.keep_instances, instances)
             self._set_targets()
 
-    async def _send_events(self, client: H2Client) -> None:
+    async def _send_events(self, client: H2Client) -> bool:
+        """The pending events (1024 at a time); whether more wait that may go at once."""
         pending = self.events.pending()
         answer = await self._call(client, "events", {
             "startId": self.start_id, "events": [e.to_dict() for e in pending],
             "dropped": self.events.dropped})
-        self.events.acknowledge(int(answer.get("acknowledged", 0)))
+        acknowledged = int(answer.get("acknowledged", 0))
+        self.events.acknowledge(acknowledged)
+        self._ack_moved.set()
+        return acknowledged >= pending[-1].sequence and self.events.count() > 0
 
     async def acknowledged(self, sequence: int) -> None:
+        self.wake()
         while self.events.acknowledged < sequence:
-            self.wake()
-            await trio.sleep(0.05)
+            self._ack_moved = trio.Event()
+            await self._ack_moved.wait()
 
     async def _renew(self, client: H2Client) -> None:
         assert self.info is not None
