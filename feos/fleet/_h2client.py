@@ -1,6 +1,7 @@
 """The uplink's HTTP/2 client: one TLS connection (ALPN h2), one call at a time, on trio.
 
-A call is one stream, as on the node connections (docs/node-connections.md): POST
+A call is one stream, as on the node connections (docs/node-connections.md), with their codec
+(feos.fleet._calls): POST
 /<service>/<method> with the method's parameters as one Cap'n Proto message, the answer's body
 the results, its trailers the status (feos-status, the code's number, and feos-message, its text
 percent-encoded). The uplink makes one call at a time, so the client reads its connection only
@@ -16,7 +17,6 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
-import capnp
 import h2.config
 import h2.connection
 import h2.events
@@ -24,6 +24,10 @@ import h2.exceptions
 import trio
 
 from ..errors import Code, FeosError
+from ._calls import _struct
+from ._calls import decode as decode
+from ._calls import encode as encode_message
+from ._h2server import CONTENT_TYPE
 from ._verify import tune_socket
 
 READ_SIZE = 65536
@@ -37,22 +41,17 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 def params_type(interface: Any, method: str) -> Any:
-    return capnp.lib.capnp._StructModule(interface.schema.methods[method].param_type, method)
+    return _struct(interface.schema.methods[method].param_type, f"{method}$Params")
 
 
 def results_type(interface: Any, method: str) -> Any:
-    return capnp.lib.capnp._StructModule(interface.schema.methods[method].result_type, method)
+    return _struct(interface.schema.methods[method].result_type, f"{method}$Results")
 
 
 def encode(struct: Any, values: dict[str, Any]) -> bytes:
-    data: bytes = struct.new_message(**values).to_bytes()
+    """One message of `values`, as the node connections write theirs (one codec for both)."""
+    data, _ = encode_message(struct, values)
     return data
-
-
-def decode(struct: Any, body: bytes) -> dict[str, Any]:
-    with struct.from_bytes(body) as reader:
-        values: dict[str, Any] = reader.to_dict()
-    return values
 
 
 def status_error(headers: dict[bytes, bytes]) -> FeosError | None:
@@ -100,7 +99,7 @@ class H2Client:
         self.conn.send_headers(sid, [(b":method", b"POST"), (b":scheme", b"https"),
                                      (b":authority", self.authority.encode()),
                                      (b":path", path.encode()),
-                                     (b"content-type", b"application/x-capnp")])
+                                     (b"content-type", CONTENT_TYPE)])
         await self._send_body(sid, body)
         headers: dict[bytes, bytes] = {}
         answer = bytearray()
