@@ -10,8 +10,10 @@ connection as a `PushClient`. `PushClient.run` is its loop (start it in a nurser
 
 from __future__ import annotations
 
+import functools
 import ssl
 import struct
+import threading
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -71,6 +73,13 @@ class Response:
         return status_of(self.trailers or self.headers)
 
 
+@attrs.frozen
+class GoAway:
+    error_code: int
+    last_stream_id: int
+    additional_data: bytes
+
+
 @attrs.define
 class _Pending:
     response: Response = attrs.Factory(Response)
@@ -93,8 +102,11 @@ class PushClient:
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
-        self.h2 = _Counted(h2.config.H2Configuration(client_side=True, header_encoding=None))
-        self.h2.count = lambda: len(self._pending)
+        # the node validates what it takes; the control plane's own side need not check itself
+        self.h2 = _Counted(h2.config.H2Configuration(
+            client_side=True, header_encoding=None, validate_outbound_headers=False,
+            normalize_outbound_headers=False))
+        self.h2.count = lambda: 0 if self.ignore_limit else len(self._pending)
         self.h2.local_settings = h2.settings.Settings(client=True, initial_values={
             h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 4 * 1024 * 1024,
             h2.settings.SettingCodes.ENABLE_PUSH: 0,
@@ -104,10 +116,14 @@ class PushClient:
         self._dirty = trio.Event()
         self._slots = trio.Semaphore(100)  # until the node's SETTINGS say more
         self._settled = trio.Event()
-        self.goaway: h2.events.ConnectionTerminated | None = None
+        self.goaway: GoAway | None = None
+        self._frames = bytearray()
+        self._raw = b""
         self.closed = trio.Event()
         self.answer_pings = True
         self.pings_seen = 0
+        self.received = 0  # bytes the node sent
+        self.ignore_limit = False  # open streams past the node's MAX_CONCURRENT_STREAMS
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -131,12 +147,18 @@ class PushClient:
         while True:
             await self._dirty.wait()
             self._dirty = trio.Event()
-            data = self.h2.data_to_send()
+            data = self.h2.data_to_send() + self._raw
+            self._raw = b""
             if data:
                 try:
                     await self.stream.send_all(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     return
+
+    def send_raw(self, data: bytes) -> None:
+        """Bytes sent as they are, after what h2 has to send (garbage, for the tests)."""
+        self._raw += data
+        self._dirty.set()
 
     async def _reader(self) -> None:
         while True:
@@ -146,8 +168,8 @@ class PushClient:
                 return
             if not data:
                 return
-            if not self.answer_pings:
-                data = _drop_pings(data)
+            self.received += len(data)
+            data = self._filter(data)
             try:
                 events = self.h2.receive_data(data)
             except h2.exceptions.ProtocolError:
@@ -167,8 +189,6 @@ class PushClient:
                 self._slots = trio.Semaphore(min(limit, 10_000))
         elif isinstance(event, h2.events.PingReceived):
             self.pings_seen += 1
-        elif isinstance(event, h2.events.ConnectionTerminated):
-            self.goaway = event
         elif pending is None:
             return
         elif isinstance(event, h2.events.ResponseReceived):
@@ -188,13 +208,38 @@ class PushClient:
             pending.done.set()
             pending.progress.set()
 
+    def _filter(self, data: bytes) -> bytes:
+        """Whole frames for h2, less the GOAWAYs (kept in `goaway`: h2's client closes its side
+        on one and would read no answer of the calls the node still ends) and, while
+        `answer_pings` is off, the node's pings."""
+        self._frames += data
+        out = bytearray()
+        at = 0
+        while at + 9 <= len(self._frames):
+            length = int.from_bytes(self._frames[at:at + 3], "big")
+            end = at + 9 + length
+            if end > len(self._frames):
+                break
+            kind, flags = self._frames[at + 3], self._frames[at + 4]
+            if kind == 7 and length >= 8:
+                payload = bytes(self._frames[at + 9:end])
+                self.goaway = GoAway(int.from_bytes(payload[4:8], "big"),
+                                     int.from_bytes(payload[:4], "big") & 0x7FFFFFFF,
+                                     payload[8:])
+            elif not (kind == 6 and not flags & 1 and not self.answer_pings):
+                out += self._frames[at:end]
+            at = end
+        del self._frames[:at]
+        return bytes(out)
+
     # -- calls ---------------------------------------------------------------------------------
 
     async def request(self, path: str, body: bytes, *, method: bytes = b"POST",
                       end: bool = True) -> tuple[int, _Pending]:
         """A stream opened with the call's headers and body."""
         await self._settled.wait()
-        await self._slots.acquire()
+        if not self.ignore_limit:
+            await self._slots.acquire()
         sid = self.h2.get_next_available_stream_id()
         pending = self._pending[sid] = _Pending()
         self.h2.send_headers(sid, [(b":method", method), (b":scheme", b"https"),
@@ -216,9 +261,12 @@ class PushClient:
         try:
             await pending.done.wait()
         finally:
-            self._pending.pop(sid, None)
-            self._slots.release()
+            self._release(sid)
         return pending.response
+
+    def _release(self, sid: int) -> None:
+        if self._pending.pop(sid, None) is not None and not self.ignore_limit:
+            self._slots.release()
 
     async def raw(self, path: str, body: bytes, *, method: bytes = b"POST") -> Response:
         sid, pending = await self.request(path, body, method=method)
@@ -250,8 +298,7 @@ class PushClient:
         finally:
             if not pending.done.is_set():
                 self.reset(sid)
-            self._pending.pop(sid, None)
-            self._slots.release()
+            self._release(sid)
 
     def reset(self, sid: int, code: int = 8) -> None:
         """RST_STREAM (CANCEL by default)."""
@@ -312,8 +359,8 @@ def _item_module(service: str, method: str) -> Any:
 
 
 class PushStream:
-    """A long-lived answer read item by item: `first` (the method's results), then `items()`,
-    then `status` from the trailers."""
+    """A long-lived answer read item by item: `first` (the method's results), then `item()`
+    until None, then `status` from the trailers."""
 
     def __init__(self, client: PushClient, sid: int, pending: _Pending, first: Any,
                  item: Any) -> None:
@@ -348,16 +395,16 @@ class PushStream:
             await self.pending.done.wait()
             return results_of(self.pending.response, self._first_module)
         message = await self._next_message()
-        return decode(self._first_module, message) if message is not None else {}
+        first = decode(self._first_module, message) if message is not None else {}
+        first.setdefault("status", {"code": "ok", "message": ""})
+        return first
 
-    async def items(self) -> AsyncIterator[dict[str, Any]]:
+    async def item(self) -> dict[str, Any] | None:
+        """The next item (a pull's results), or None at the stream's end."""
         if not self._first_read:
             await self.first()
-        while True:
-            message = await self._next_message()
-            if message is None:
-                return
-            yield decode(self._item_module, message)
+        message = await self._next_message()
+        return decode(self._item_module, message) if message is not None else None
 
     @property
     def status(self) -> tuple[Code, str]:
@@ -365,22 +412,6 @@ class PushStream:
 
     def reset(self) -> None:
         self.client.reset(self.sid)
-
-
-def _drop_pings(data: bytes) -> bytes:
-    """The bytes without PING frames that are not ACKs (a control plane that stopped answering
-    pings; assumes frames arrive whole, as they do over loopback in one read)."""
-    out = bytearray()
-    at = 0
-    while at + 9 <= len(data):
-        length = int.from_bytes(data[at:at + 3], "big")
-        kind, flags = data[at + 3], data[at + 4]
-        end = at + 9 + length
-        if not (kind == 6 and not flags & 1):
-            out += data[at:end]
-        at = end
-    out += data[at:]
-    return bytes(out)
 
 
 # -- the listener ------------------------------------------------------------------------------
@@ -437,3 +468,65 @@ class PushListener:
     async def accept(self) -> PushClient:
         """The next node connection, its HTTP/2 client running."""
         return await self._receive.receive()
+
+
+# -- the node's side, for tests and the bench ----------------------------------------------------
+
+
+class LinkThread:
+    """`NodeConnections` on a trio run of its own in a thread, as feosd's link runs them; the
+    test's run plays feosd's runtime. `async with LinkThread(conns)`; `on_link(fn, ...)` runs a
+    trio function there, `on_link_sync(fn, ...)` a plain one."""
+
+    def __init__(self, conns: Any) -> None:
+        self.conns = conns
+        self.token: trio.lowlevel.TrioToken | None = None
+        self._thread: threading.Thread | None = None
+        self._error: list[BaseException] = []
+        self.stopped = False
+
+    async def __aenter__(self) -> LinkThread:
+        main = trio.lowlevel.current_trio_token()
+        started = trio.Event()
+
+        async def run() -> None:
+            self.token = trio.lowlevel.current_trio_token()
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.conns.run)
+                main.run_sync_soon(started.set)
+
+        def thread() -> None:
+            try:
+                trio.run(run)
+            except BaseException as exc:  # handed to the test at the exit
+                self._error.append(exc)
+                main.run_sync_soon(started.set)
+
+        self._thread = threading.Thread(target=thread, name="link", daemon=True)
+        self._thread.start()
+        await started.wait()
+        if self._error:
+            raise self._error[0]
+        return self
+
+    async def on_link(self, fn: Any, *args: Any) -> Any:
+        return await trio.to_thread.run_sync(
+            functools.partial(trio.from_thread.run, fn, *args, trio_token=self.token))
+
+    async def on_link_sync(self, fn: Any, *args: Any) -> Any:
+        return await trio.to_thread.run_sync(
+            functools.partial(trio.from_thread.run_sync, fn, *args, trio_token=self.token))
+
+    async def stop(self, grace: float) -> None:
+        self.stopped = True
+        await self.on_link(self.conns.stop, grace)
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._thread is not None
+        if not self.stopped and not self._error:
+            with trio.CancelScope(shield=True):
+                await self.stop(0.5)
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self._thread.join, 10)
+        if self._error:
+            raise self._error[0]

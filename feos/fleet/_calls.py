@@ -157,19 +157,48 @@ class Dispatcher:
         return _Method(name, target, _struct(m.param_type, f"{name}$Params"),
                        _struct(m.result_type, f"{name}$Results"))
 
-    async def call(self, path: str, body: bytes) -> Answer:
-        """One call, on the link's trio run; cancelling the wait cancels the call. Every
-        outcome is an answer (UNAVAILABLE "feosd stops" once feosd's runtime has ended)."""
+    def answer_now(self, path: str, body: bytes) -> Answer | None:
+        """The answer of a plain read (GetVolume) or of a path that names no call, made at once
+        on the link's thread; None for a call that runs elsewhere (`call` it then)."""
         method = self.method(path)
+        if method is not None and not _plain_read(method.target):
+            return None
+        return self._unrun(path, method, body) or self._read(method, body)
+
+    def _unrun(self, path: str, method: _Method | None, body: bytes) -> Answer | None:
+        """The answer of a call that runs nowhere: no such method, a body that is not its
+        params, a method not built."""
         if method is None:
             return Answer(Code.UNIMPLEMENTED, f"{path}: no such method", None, http_status=404)
+        if method.target is None:
+            missing = FeosError(Code.UNIMPLEMENTED, f"{method.name} is not built yet")
+            return Answer(missing.code, missing.message, error_body(method.results, missing))
+        return None
+
+    def _read(self, method: Any, body: bytes) -> Answer:
         try:
             params = decode(method.params, body)
         except FeosError as exc:
             return Answer(exc.code, exc.message, None)
-        if method.target is None:
-            missing = FeosError(Code.UNIMPLEMENTED, f"{method.name} is not built yet")
-            return Answer(missing.code, missing.message, error_body(method.results, missing))
+        try:
+            return self._answer(method, method.target(params) or {})
+        except Exception as exc:
+            return _failed(method.name, method.results, exc)
+
+    async def call(self, path: str, body: bytes) -> Answer:
+        """One call, on the link's trio run; cancelling the wait cancels the call. Every
+        outcome is an answer (UNAVAILABLE "feosd stops" once feosd's runtime has ended)."""
+        method = self.method(path)
+        unrun = self._unrun(path, method, body)
+        if unrun is not None:
+            return unrun
+        assert method is not None
+        if _plain_read(method.target):
+            return self._read(method, body)
+        try:
+            params = decode(method.params, body)
+        except FeosError as exc:
+            return Answer(exc.code, exc.message, None)
         try:
             answer = await self._run(method.target, lambda values: self._answer(method, values),
                                      params, method.name, method.results)
@@ -189,13 +218,6 @@ class Dispatcher:
         """`target(params)` where it lives, made into an answer there with `make`; a FeosError
         (or any other failure, as INTERNAL) as its status."""
 
-        def failed(exc: Exception) -> Answer:
-            if not isinstance(exc, FeosError):
-                log.error("%s failed: %r", name, exc)
-                exc = FeosError(Code.INTERNAL, f"{name}: {exc}")
-            body = error_body(results, exc) if results is not None else None
-            return Answer(exc.code, exc.message, body)
-
         async def home() -> T | Answer:
             try:
                 values = target(params)
@@ -203,14 +225,14 @@ class Dispatcher:
                     values = await values
                 return make(values or {})
             except Exception as exc:
-                return failed(exc)
+                return _failed(name, results, exc)
 
+        if _plain_read(target):
+            try:
+                return make(target(params) or {})  # a plain read: at once, here
+            except Exception as exc:
+                return _failed(name, results, exc)
         if getattr(target, "_feos_rpc_thread", False):
-            if not asyncio.iscoroutinefunction(target):
-                try:
-                    return make(target(params) or {})  # a plain read: at once, here
-                except Exception as exc:
-                    return failed(exc)
             return await self._on_capnp(home)
         return await self.on_main(home)
 
@@ -257,6 +279,19 @@ class Dispatcher:
             return future.result()
         except concurrent.futures.CancelledError:
             raise FeosError(Code.UNAVAILABLE, STOPPING) from None
+
+
+def _plain_read(target: Any) -> bool:
+    """A read marked on_rpc_thread that is no coroutine: state replaced whole, never blocking."""
+    return bool(getattr(target, "_feos_rpc_thread", False)) and \
+        not asyncio.iscoroutinefunction(target)
+
+
+def _failed(name: str, results: Any, exc: Exception) -> Answer:
+    if not isinstance(exc, FeosError):
+        log.error("%s failed: %r", name, exc)
+        exc = FeosError(Code.INTERNAL, f"{name}: {exc}")
+    return Answer(exc.code, exc.message, error_body(results, exc) if results is not None else None)
 
 
 async def _coro(fn: Callable[[], Awaitable[T]]) -> T:

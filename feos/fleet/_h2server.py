@@ -60,6 +60,7 @@ CONNECTION_WINDOW = 32 * 1024 * 1024
 
 CONTENT_TYPE = b"application/x-capnp"
 STREAM_CONTENT_TYPE = b"application/x-capnp-stream"
+EOF_REASON = "the peer closed the connection"
 ITEM_PREFIX = struct.Struct(">I")  # a stream's item: its length, then a Cap'n Proto message
 
 
@@ -266,7 +267,7 @@ class ServerCore:
         if self.ended is not None:
             return []
         if not data:
-            return [self._end(ErrorCodes.NO_ERROR, "the peer closed the connection",
+            return [self._end(ErrorCodes.NO_ERROR, EOF_REASON,
                               by_peer=True, goaway=False)]
         try:
             h2_events = self._h2.receive_data(data)

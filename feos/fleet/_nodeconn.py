@@ -34,7 +34,14 @@ import trio
 
 from ..errors import Code, FeosError
 from ._calls import Answer, Dispatcher
-from ._h2server import CallStarted, ConnectionEnded, PingAnswered, ServerCore, StreamGone
+from ._h2server import (
+    EOF_REASON,
+    CallStarted,
+    ConnectionEnded,
+    PingAnswered,
+    ServerCore,
+    StreamGone,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +53,8 @@ CLOSE_WITHIN = 5.0
 DRAIN_GRACE = 30.0  # a renewal's or a dropped target's connection: its calls' time to end
 USER_TIMEOUT_MS = 20_000
 RECEIVE_SIZE = 256 * 1024
-STREAM_BUFFER = 256 * 1024  # a stream's bytes waiting for window before its next pull
+STREAM_BUFFER = 256 * 1024
+LINGER = 0.5  # a stream's bytes waiting for window before its next pull
 
 
 @attrs.frozen
@@ -78,6 +86,7 @@ class Connection:
         self._progress = trio.Event()
         self._idle = trio.Event()
         self._closed = trio.Event()
+        self._broken = False
         self._cut: str | None = None  # the message of the calls a shut has cancelled
         self._nursery: trio.Nursery | None = None
 
@@ -96,11 +105,26 @@ class Connection:
                 nursery.start_soon(self._reader)
                 self._wake()
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                await self.stream.aclose()  # cut short: trio closes it forcefully
+            with trio.CancelScope(shield=True):
+                await self._linger()
+                with trio.move_on_after(1.0):
+                    await self.stream.aclose()  # cut short: trio closes it forcefully
             self._closed.set()
         assert self.ended is not None
         return self.ended
+
+    async def _linger(self) -> None:
+        """After our GOAWAY, the peer's bytes read (and dropped) until its EOF, for LINGER s at
+        most: closed with bytes unread, the socket would be reset and our GOAWAY lost with it."""
+        ended = self.core.ended
+        if self._broken or ended is None or ended.reason == EOF_REASON:
+            return
+        with trio.move_on_after(LINGER):
+            try:
+                while await self.stream.receive_some(RECEIVE_SIZE):
+                    pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -109,24 +133,27 @@ class Connection:
 
     async def _writer(self) -> None:
         while True:
-            await self._dirty.wait()
-            self._dirty = trio.Event()
             data = self.core.data_to_send()
             if data:
                 try:
                     await self.stream.send_all(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    self._broken = True
                     self._end(ConnectionEnded(0, f"the connection broke: {exc}", by_peer=True))
                     return
+                continue  # what the core gave meanwhile (a GOAWAY) goes out before the end
             if self.core.ended is not None:
                 self._end(self.core.ended)
                 return
+            await self._dirty.wait()
+            self._dirty = trio.Event()
 
     async def _reader(self) -> None:
         while self.core.ended is None:
             try:
                 data = await self.stream.receive_some(RECEIVE_SIZE)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                self._broken = True
                 self._end(ConnectionEnded(0, f"the connection broke: {exc}", by_peer=True))
                 return
             self._events(self.core.receive(bytes(data), trio.current_time()))
@@ -143,6 +170,11 @@ class Connection:
     def _events(self, events: Sequence[object]) -> None:
         for event in events:
             if isinstance(event, CallStarted):
+                now = self.dispatcher.answer_now(event.path, event.body)
+                if now is not None and now.items is None:  # a plain read: no task, no trip
+                    self.core.answer(event.stream_id, now.code, now.message, now.body,
+                                     http_status=now.http_status)
+                    continue
                 assert self._nursery is not None
                 self._nursery.start_soon(self._call, event.stream_id, event.path, event.body)
             elif isinstance(event, StreamGone):
