@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from feosd_proc import Feosd
 
+from feos.fleet._nodeconn import stop_message
+
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from controlplane import ControlPlane
 from controlplane_ca import TestCA
@@ -92,6 +94,8 @@ def test_a_stop_tells_the_control_plane_and_ends_a_stream_with_unavailable(
         assert len(stopping) == 1
         # the stream ended with the stop (within the calls' 2 s and the 5 s of the close)
         cp.wait_for(lambda: stream["status"] is not None, timeout=10, why="the stream's end")
+        code, message = stream["status"]
+        assert (code.name, message) == ("UNAVAILABLE", stop_message(2.0))
         assert "closing the node connections (their calls: 2s at most)" in feosd.log_text()
     assert "did not acknowledge" not in feosd.log_text()
 

@@ -163,7 +163,7 @@ class ControlPlane:
             async with client.stream_call(service, method, params) as stream:
                 seen["first"] = await stream.first()
                 seen["opened"].set()
-                async for item in stream.items():
+                while (item := await stream.item()) is not None:
                     seen["items"].append(item)
                 seen["status"] = stream.status
 
