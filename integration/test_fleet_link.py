@@ -197,6 +197,17 @@ def test_renewals_keep_the_key_and_the_reports(tmp_path: Path) -> None:
         assert len(cp.joins) == 1
 
 
+def test_a_renewal_leaves_calls_in_flight_to_end_on_the_old_connection(tmp_path: Path) -> None:
+    with ControlPlane(tmp_path / "cp", renew_in_s=8) as cp, node(tmp_path, cp, cp.token()).start():
+        cp.wait_for(lambda: cp.node_connections, why="a node connection")
+        stream = cp.watch("pods", "watchEvents", {"podId": ""})  # on the first connection
+        cp.wait_for(lambda: cp.renewals, timeout=20, why="a renewal")
+        cp.wait_for(lambda: cp.node_connections >= 2, why="a connection with the new certificate")
+        assert cp.push("host", "getHostInfo")["info"]["hostname"]  # over the new connection
+        time.sleep(2)
+        assert stream["status"] is None  # the old connection drains: its stream goes on
+
+
 def test_a_removed_node_joins_again_on_a_new_token(tmp_path: Path, cp: ControlPlane) -> None:
     with node(tmp_path, cp, cp.token()).start() as feosd:
         cp.wait_for(lambda: cp.reports, why="a report")
