@@ -138,6 +138,12 @@ async def node_rounds(client: PushClient, volume: str) -> tuple[list[float], flo
     return samples, BURST / (time.perf_counter() - start)
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's user and system CPU time so far (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def write_pems(tmp: Path, ca: trustme.CA) -> tuple[Path, Path]:
     ca_pem, node_pem = tmp / "ca.pem", tmp / "node.pem"
     ca.cert_pem.write_to_path(str(ca_pem))
@@ -171,8 +177,12 @@ async def bench(tmp: Path) -> tuple[float, float, float, float]:
             socket_rate: list[float] = []
             await node_rounds(client, volume)  # warm both ways in
             await trio.to_thread.run_sync(socket_rounds, side, volume)
+            cpu = {"node": 0.0, "control plane": 0.0}
             for _ in range(ROUNDS):
+                before = cpu_seconds(node.pid), cpu_seconds(os.getpid())
                 samples, rate = await node_rounds(client, volume)
+                cpu["node"] += cpu_seconds(node.pid) - before[0]
+                cpu["control plane"] += cpu_seconds(os.getpid()) - before[1]
                 node_single += samples
                 node_rate.append(rate)
                 samples, rate = await trio.to_thread.run_sync(socket_rounds, side, volume)
@@ -180,6 +190,9 @@ async def bench(tmp: Path) -> tuple[float, float, float, float]:
                 socket_rate.append(rate)
             side.stop()
             await client.aclose()
+            calls = ROUNDS * (SINGLE + BURST)
+            print("CPU per pushed call: " + ", ".join(
+                f"{who} {seconds / calls * 1e3:.3f} ms" for who, seconds in cpu.items()))
         finally:
             assert node.stdin is not None
             node.stdin.close()

@@ -135,13 +135,16 @@ class Dispatcher:
         self._services = services
         self._token = main_token
         self._bridge = bridge
-        self._methods: dict[str, _Method | None] = {}
+        self._methods: dict[str, _Method] = {}
 
     def method(self, path: str) -> _Method | None:
         """The method a path names, or None."""
-        if path not in self._methods:
-            self._methods[path] = self._find(path)
-        return self._methods[path]
+        found = self._methods.get(path)
+        if found is None:
+            found = self._find(path)
+            if found is not None:  # paths that name nothing are not kept: there is no end to them
+                self._methods[path] = found
+        return found
 
     def _find(self, path: str) -> _Method | None:
         service, sep, name = path.removeprefix("/").partition("/")

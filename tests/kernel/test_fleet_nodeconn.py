@@ -306,3 +306,22 @@ def _no_leftover_threads() -> Any:
     before = {t.name for t in threading.enumerate()}
     yield
     assert not [t for t in threading.enumerate() if t.name == "link" and "link" not in before]
+
+
+async def test_a_target_no_longer_listed_is_shut_and_not_dialed_again(tmp_path: Path) -> None:
+    async with control_plane(2) as (cp, other), \
+            node(tmp_path, [cp, other]) as (link, _volumes, _pods):
+        client = await cp.accept()
+        kept = await other.accept()
+        await link.on_link_sync(link.conns.set_targets,
+                                [Target("127.0.0.1", other.port, other.server_name)])
+        await until(lambda: client.goaway is not None)
+        assert client.goaway is not None
+        assert client.goaway.error_code == ErrorCodes.NO_ERROR
+        with trio.fail_after(10):
+            await client.closed.wait()  # its calls done (none), it closes
+        rows = link.conns.info()  # info() may be read from any thread
+        assert [r["target"] for r in rows] == [f"127.0.0.1:{other.port}"]
+        await trio.sleep(1.5)
+        assert cp.accepted == 1
+        assert (await kept.call_ok("volumes", "listVolumes", {}))["status"]["code"] == "ok"

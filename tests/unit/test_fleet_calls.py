@@ -14,13 +14,17 @@ from typing import Any, TypeVar
 
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from feos import _schema
-from feos.errors import Code
-from feos.fleet._calls import Answer, Dispatcher, _struct
+from feos.errors import Code, FeosError
+from feos.fleet._calls import Answer, Dispatcher, _struct, decode
 from feos.pods import VolumeService
 from feos.pods._events import EventHub
+from feos.pods._streams import Relay
 from feos.rpc import Cap
+from feos.rpc._bridge import capnp_thread
 
 T = TypeVar("T")
 VOLUME = "0b9bb4c4-5d43-4c2b-9d3a-6f2d3c4e5f60"
@@ -182,3 +186,84 @@ async def test_feosd_s_runtime_gone_answers_unavailable() -> None:
     calls = Dispatcher({"pods": Pods()}, token[0])
     answer = await calls.call("/pods/getPod", body("pods", "getPod", id="p"))
     assert (answer.code, answer.message) == (Code.UNAVAILABLE, "feosd stops")
+
+
+async def _chunks(*chunks: bytes) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+
+
+class Logs:
+    """PodService's podLogs: the real relay (feos.pods' Relay) on the Cap'n Proto thread, over
+    the guest's two streams (here iterators of chunks)."""
+
+    def __init__(self, bridge: Any) -> None:
+        self.bridge = bridge
+        self.relays: list[Relay] = []
+
+    async def pod_logs(self, params: dict[str, Any]) -> dict[str, Any]:
+        async def open_relay() -> Relay:
+            return Relay(_chunks(b"one\n", b"two\n"), _chunks(b"oops\n"))
+
+        relay = await self.bridge.call(open_relay)
+        self.relays.append(relay)
+        return {"stream": Cap(_schema.pod().ByteStream, relay)}
+
+
+async def test_a_byte_stream_is_read_on_the_capnp_thread_to_its_end() -> None:
+    async with capnp_thread() as bridge:
+        logs = Logs(bridge)
+        calls = Dispatcher({"pods": logs}, trio.lowlevel.current_trio_token(), bridge=bridge)
+        m = _schema.pod().ByteStream.schema.methods["read"]
+        read = _struct(m.result_type, "read")
+
+        async def pushed() -> list[dict[str, Any]]:
+            answer = await calls.call("/pods/podLogs",
+                                      body("pods", "podLogs", id="p", container="c"))
+            assert answer.code == Code.OK
+            assert answer.items is not None
+            got = []
+            while (item := await answer.items.next()) is not None:
+                with read.from_bytes(item) as reader:
+                    got.append(reader.to_dict())
+            answer.items.close()
+            return got
+
+        items = await link(pushed)
+    stdout = b"".join(i.get("stdout", b"") for i in items)
+    stderr = b"".join(i.get("stderr", b"") for i in items)
+    assert (stdout, stderr) == (b"one\ntwo\n", b"oops\n")
+    assert items[-1]["exited"]
+    assert items[-1]["exitCode"] == 0
+
+
+@given(st.data())
+def test_a_body_is_params_or_invalid_argument(data: st.DataObject) -> None:
+    """Random bytes, and valid params with bytes flipped, inserted or cut: a dict of the params or
+    INVALID_ARGUMENT, nothing else."""
+    m = _schema.pod().PodService.schema.methods["createPod"]
+    params = _struct(m.param_type, "p")
+    valid = bytearray(params.new_message(
+        id="a", spec={"containers": [{"name": "c", "image": "i", "command": ["sh"]}]},
+        pullToken="t").to_bytes())
+    raw = data.draw(st.one_of(st.binary(max_size=300), st.just(bytes(valid))))
+    mutated = bytearray(raw)
+    for _ in range(data.draw(st.integers(0, 6))):
+        if not mutated:
+            break
+        at = data.draw(st.integers(0, len(mutated) - 1))
+        kind = data.draw(st.sampled_from(["flip", "set", "cut", "insert"]))
+        if kind == "flip":
+            mutated[at] ^= 1 << data.draw(st.integers(0, 7))
+        elif kind == "set":
+            mutated[at] = data.draw(st.integers(0, 255))
+        elif kind == "cut":
+            del mutated[at:]
+        else:
+            mutated[at:at] = data.draw(st.binary(min_size=1, max_size=8))
+    try:
+        found = decode(params, bytes(mutated))
+    except FeosError as exc:
+        assert exc.code == Code.INVALID_ARGUMENT
+    else:
+        assert isinstance(found, dict)
