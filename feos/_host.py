@@ -61,6 +61,7 @@ class HostService:
         upgrade: Callable[[Path], None],
         versions: Callable[[], dict[str, Any]],
         vmm: Callable[[], dict[str, Any]] | None = None,
+        control_plane: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self._state_dir = state_dir
         self._self_upgrade = self_upgrade
@@ -68,6 +69,7 @@ class HostService:
         self._upgrade = upgrade
         self._versions = versions
         self._vmm = vmm or (lambda: {})
+        self._control_plane = control_plane or (lambda: {"configured": False})
         self._started = time.time_ns()
 
     async def get_host_info(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -84,6 +86,11 @@ class HostService:
                 "vmm": self._vmm(),
             }
         }
+
+    @takes(NoParams)
+    async def get_control_plane(self, call: NoParams) -> dict[str, Any]:
+        """The control-plane link as feos.fleet's Link.info() says it (docs/control-plane.md)."""
+        return {"info": self._control_plane()}
 
     def _signal_init(self, signum: int, what: str) -> None:
         if in_own_pid_namespace():

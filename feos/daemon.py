@@ -24,7 +24,7 @@ import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -50,6 +50,9 @@ from .pods import PodService, SuspendedForStop, VolumeService
 from .rpc import Cap, CapnpThread, capnp_thread, close_listeners, listen
 from .rpc import serve as serve_interface
 from .vmm import MicroVms, choose_vmm
+
+if TYPE_CHECKING:
+    from .fleet import Link
 
 log = logging.getLogger("feosd")
 
@@ -101,9 +104,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(KVM if it works, else TCG); default auto (docs/vmm.md)",
     )
     add_network_arguments(p.add_argument_group("the pods' network"))
-    cp = p.add_argument_group("the control plane (not built yet: accepted and logged)")
-    cp.add_argument("--control-plane", metavar="HOST:PORT")
-    cp.add_argument("--control-plane-name")
+    cp = p.add_argument_group("the control plane (docs/control-plane.md)")
+    cp.add_argument("--control-plane", metavar="HOST:PORT",
+                    help="join the control plane there and connect to its instances")
+    cp.add_argument("--control-plane-name",
+                    help="the DNS name its certificate must carry (default: HOST)")
     cp.add_argument("--trust-domain", default="feos.local")
     cp.add_argument("--join-token-file", type=Path, default=Path("/etc/feos/join-token"))
     cp.add_argument("--node-dir", type=Path, help="the node's identity (default <state-dir>/node)")
@@ -113,6 +118,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.stop_grace <= 0:
         p.error("--stop-grace: must be a positive number of seconds")
+    if args.control_plane is not None:
+        host, sep, port = args.control_plane.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            p.error("--control-plane: must be HOST:PORT ([v6]:PORT)")
+        args.control_plane_name = args.control_plane_name or host.strip("[]")
     if args.tcp is not None:
         try:
             args.tcp_address = parse_tcp(args.tcp)
@@ -202,7 +212,9 @@ class Daemon:
             upgrade=self.request_upgrade,
             versions=self.versions,
             vmm=self.vmm_info,
+            control_plane=self.control_plane_info,
         )
+        self.link: Link | None = None
         self.listeners: dict[str, socket.socket] = {}
         self.handover: dict[str, int] = {}
         self.vms: MicroVms | None = None
@@ -234,6 +246,9 @@ class Daemon:
     def vmm_info(self) -> dict[str, Any]:
         vms = self.vms.list() if self.vms is not None else []
         return vmm_info(self.vms.choice if self.vms else None, [vm.driver for vm in vms])
+
+    def control_plane_info(self) -> dict[str, Any]:
+        return self.link.info() if self.link is not None else {"configured": False}
 
     def network_status(self) -> str:
         if self.network is None:
@@ -324,27 +339,61 @@ class Daemon:
             log.info("serving the API on %s", ", ".join(_where(s) for s in self.listeners.values()))
             if self.args.web is not None:
                 await nursery.start(self.serve_web, bridge)
-            if self.args.control_plane:
-                log.warning("--control-plane %s: the control-plane link is not built yet; "
-                            "the node stays on its own", self.args.control_plane)
             notify("READY=1")
-            nursery.start_soon(self.stop_record.resume, self.pods)
+            if self.args.control_plane:
+                await self.start_link(nursery)
+            nursery.start_soon(self.resume_then_link)
             staged = await self._wait_for_end()
-            await self._stop_pods(suspend=staged is None and self.args.suspend_on_stop)
+            await self._stop_pods(suspend=staged is None and self.args.suspend_on_stop,
+                                  upgrade=staged is not None)
             self.pods.events.close()  # watchers hear the end of their streams
             await bridge.call(close_listeners, servers)
             nursery.cancel_scope.cancel()
         if staged is not None:
             self.exec_upgrade(staged, lock_fd)
 
-    async def _stop_pods(self, *, suspend: bool) -> None:
+    async def start_link(self, nursery: trio.Nursery) -> None:
+        """The control-plane link, on a thread of its own: it holds nothing of feosd up."""
+        from .fleet import EventBuffer, LinkConfig, Runtime, make_link
+
+        args = self.args
+        node_dir = args.node_dir or self.state_dir / "node"
+        cfg = LinkConfig(control_plane=args.control_plane, server_name=args.control_plane_name,
+                         trust_domain=args.trust_domain, token_file=args.join_token_file,
+                         node_dir=node_dir, name=socket.gethostname(), mesh_port=args.mesh_port,
+                         mesh_address=args.mesh_address,
+                         pod_prefix=args.network.pod_prefix is not None)
+        runtime = Runtime(pods=self.pods, host=self.host, events=EventBuffer(),
+                          mesh_dir=node_dir / "mesh")
+        await nursery.start(runtime.run)
+        services = {"volumes": self.volumes, "securityGroups": self.groups, "names": self.names,
+                    "host": self.host, "pods": self.pods,
+                    "traffic": self.network.traffic if self.network else object(),
+                    "mesh": object()}
+        self.link = make_link(cfg, runtime, services, trio.lowlevel.current_trio_token())
+        self.link.start()
+        log.info("the control plane: %s (checked for %s)", cfg.control_plane, cfg.server_name)
+
+    async def resume_then_link(self) -> None:
+        """The suspend-on-stop's resumes first: the link connects once they are done."""
+        assert self.pods is not None
+        try:
+            await self.stop_record.resume(self.pods)
+        finally:
+            if self.link is not None:
+                self.link.resumes_done()
+
+    async def _stop_pods(self, *, suspend: bool, upgrade: bool = False) -> None:
         """The pods' part of a stop: every new change refused (UNAVAILABLE "feosd stops"), the
-        running pods suspended if asked, the changes in flight left to end within --stop-grace
-        (less a margin for what comes after), and only then the ones left cancelled."""
+        control plane told and the node connections closed (Stopping), the running pods
+        suspended if asked, the changes in flight left to end within --stop-grace (less a margin
+        for what comes after), and only then the ones left cancelled."""
         assert self.pods is not None
         self.pods.refuse_changes()
         grace = self.args.stop_grace
         end = trio.current_time() + grace - min(STOP_MARGIN_S, grace / 10)
+        if self.link is not None:
+            await self.link.stop(grace, "upgrading" if upgrade else "stopping")
         # A second SIGTERM or SIGINT meanwhile is taken (and left unread): the stop goes on, rather
         # than Python's default ending feosd in the middle of the changes it waits for.
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT):
@@ -451,6 +500,26 @@ def set_subreaper() -> None:
         log.warning("cannot become the subreaper of feosd's children: %s", exc)
 
 
+TEST_HOOKS = "FEOSD_TEST_HOOKS"
+
+
+def install_test_hooks(run_dir: Path) -> None:
+    """With FEOSD_TEST_HOOKS=1 only, for tests: SIGUSR2 blocks feosd's trio thread for the
+    seconds in <run-dir>/test-block-seconds (a stalled runtime, as on a blocking unlink), so
+    that the tests see the control-plane link go on without it (docs/control-plane.md)."""
+    if os.environ.get(TEST_HOOKS) != "1":
+        return
+    import time
+
+    def block(signum: int, frame: object) -> None:
+        seconds = float((run_dir / "test-block-seconds").read_text())
+        log.warning("test hook: feosd's trio thread blocks for %.0f s", seconds)
+        time.sleep(seconds)
+        log.warning("test hook: feosd's trio thread moves again")
+
+    signal.signal(signal.SIGUSR2, block)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(
@@ -460,6 +529,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     if os.getpid() == 1:
         sys.exit("feosd: refusing to run as PID 1 (run it under systemd or feos-host-init)")
+    install_test_hooks(args.run_dir)
     inherited = inherited_listeners(os.environ)  # type: ignore[arg-type]
     # Before any thread starts: the resolver's sockets handed over (systemd, a self-upgrade).
     dns = take_dns_sockets(args.network.dns_address)

@@ -46,4 +46,44 @@ interface HostService {
   upgradeFeosBinary @3 (binary :Data, sha256 :Text) -> (status :Common.Status);
   # verifies the sha256 (hex) of binary, replaces feosd's program and executes it with the same
   # pid, keeping the lock and the listening sockets; only with --self-upgrade
+  getControlPlane @4 () -> (status :Common.Status, info :ControlPlaneInfo);
+  # the control-plane link (feosctl host control-plane): the identity, the node connections and
+  # the uplink; configured = false without --control-plane
+}
+
+struct ControlPlaneInfo {
+  configured @0 :Bool;
+  controlPlane @1 :Text;         # --control-plane HOST:PORT
+  identity @2 :NodeIdentity;     # unset (empty name) before the join
+  connections @3 :List(NodeConnection);
+  uplink @4 :UplinkState;
+}
+
+struct NodeIdentity {
+  name @0 :Text;
+  spiffeId @1 :Text;
+  notAfterUnixNs @2 :Int64;      # the certificate's end
+  renewUnixNs @3 :Int64;         # when it is renewed
+}
+
+struct NodeConnection {
+  # One node connection (feos.fleet NodeConnections.info()).
+  address @0 :Text;
+  serverName @1 :Text;
+  state @2 :Text;                # connected, dialing, waiting (the backoff), stopping
+  streams @3 :UInt32;            # calls in flight
+  detail @4 :Text;               # what else the connection says of itself, for people
+}
+
+struct UplinkState {
+  state @0 :Text;                # waiting (for the resumes), joining, refused, joined, removed, stopped
+  instance @1 :Text;             # the instance the uplink calls now
+  lastReportUnixNs @2 :Int64;    # the last report answered
+  reportsHeld @3 :Bool;          # the 90 s rule holds the reports back
+  eventsPending @4 :UInt64;
+  eventsDropped @5 :UInt64;
+  meshed @6 :Bool;               # the last JoinMesh answer
+  meshUla @7 :Text;
+  meshPrefix @8 :Text;
+  lastError @9 :Text;
 }

@@ -337,6 +337,39 @@ def _vmm_rows(vmm: dict[str, Any]) -> list[list[str]]:
             ["microvms", counts or "none"]]
 
 
+def _when(unix_ns: int) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(unix_ns / 1e9)) if unix_ns else "-"
+
+
+async def host_control_plane(client: Client, args: argparse.Namespace) -> Table:
+    info = (await client.call("host", "getControlPlane")).info.to_dict()
+    if not info.get("configured"):
+        return Table(info, ["FIELD", "VALUE"], [["control plane", "none (no --control-plane)"]])
+    ident, up = info.get("identity", {}), info.get("uplink", {})
+    mesh = (f"{up.get('meshUla')}, the node's {up.get('meshPrefix')}" if up.get("meshed")
+            else "-")
+    rows = [
+        ["control plane", info.get("controlPlane", "")],
+        ["node", ident.get("name", "") or "not joined"],
+        ["spiffe id", ident.get("spiffeId", "") or "-"],
+        ["certificate ends", _when(ident.get("notAfterUnixNs", 0))],
+        ["renewal", _when(ident.get("renewUnixNs", 0))],
+        ["uplink", f"{up.get('state', '')} {up.get('instance', '')}".strip()],
+        ["last report", _when(up.get("lastReportUnixNs", 0))
+         + (" (held: the 90 s rule)" if up.get("reportsHeld") else "")],
+        ["events", f"{up.get('eventsPending', 0)} pending, {up.get('eventsDropped', 0)} dropped"],
+        ["mesh", mesh],
+        ["last error", up.get("lastError", "") or "-"],
+    ]
+    for c in info.get("connections", []):
+        rows.append([f"connection {c.get('address', '')}",
+                     f"{c.get('state', '')}, {c.get('streams', 0)} streams"
+                     + (f", {c['detail']}" if c.get("detail") else "")])
+    return Table(info, ["FIELD", "VALUE"], rows)
+
+
 async def host_reboot(client: Client, args: argparse.Namespace) -> str:
     await client.call("host", "reboot")
     return "the node reboots"
@@ -362,6 +395,8 @@ async def host_upgrade(client: Client, args: argparse.Namespace) -> str:
 def register_host(nouns: Any) -> None:
     verbs = _noun(nouns, "host", "the node itself")
     _verb(verbs, "info", host_info, "versions, the VMM (and why) and the network of this node")
+    _verb(verbs, "control-plane", host_control_plane,
+          "the control-plane link: the identity, the node connections, the uplink")
     _verb(verbs, "reboot", host_reboot, "reboot the node (PID 1 gets SIGRTMIN+5)")
     _verb(verbs, "shutdown", host_shutdown, "power the node off (PID 1 gets SIGRTMIN+4)")
     p = _verb(verbs, "upgrade", host_upgrade, "replace feosd's program and re-execute it")
