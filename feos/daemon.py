@@ -264,6 +264,12 @@ class Daemon:
 
             raise FeosError(Code.ABORTED, "an upgrade is already under way") from None
 
+    def services(self) -> dict[str, object]:
+        """The API's services by the bootstrap's names: the socket's and the node connections'."""
+        return {"volumes": self.volumes, "securityGroups": self.groups, "names": self.names,
+                "host": self.host, "pods": self.pods,
+                "traffic": self.network.traffic if self.network else object(), "mesh": object()}
+
     def bootstrap(self, bridge: CapnpThread) -> Any:
         pod, vol, net, host, api = (
             _schema.pod(),
@@ -272,15 +278,12 @@ class Daemon:
             _schema.host(),
             _schema.api(),
         )
-        services = {
-            "volumes": Cap(vol.VolumeService, self.volumes),
-            "securityGroups": Cap(net.SecurityGroupService, self.groups),
-            "names": Cap(net.NameService, self.names),
-            "host": Cap(host.HostService, self.host),
-            "pods": Cap(pod.PodService, self.pods),
-            "traffic": Cap(net.TrafficService, self.network.traffic if self.network else object()),
-            "mesh": Cap(net.MeshService, object()),
+        interfaces = {
+            "volumes": vol.VolumeService, "securityGroups": net.SecurityGroupService,
+            "names": net.NameService, "host": host.HostService, "pods": pod.PodService,
+            "traffic": net.TrafficService, "mesh": net.MeshService,
         }
+        services = {name: Cap(interfaces[name], impl) for name, impl in self.services().items()}
 
         class Root:
             pass
@@ -341,7 +344,7 @@ class Daemon:
                 await nursery.start(self.serve_web, bridge)
             notify("READY=1")
             if self.args.control_plane:
-                await self.start_link(nursery)
+                await self.start_link(nursery, bridge)
             nursery.start_soon(self.resume_then_link)
             staged = await self._wait_for_end()
             await self._stop_pods(suspend=staged is None and self.args.suspend_on_stop,
@@ -352,7 +355,7 @@ class Daemon:
         if staged is not None:
             self.exec_upgrade(staged, lock_fd)
 
-    async def start_link(self, nursery: trio.Nursery) -> None:
+    async def start_link(self, nursery: trio.Nursery, bridge: CapnpThread) -> None:
         """The control-plane link, on a thread of its own: it holds nothing of feosd up."""
         from .fleet import EventBuffer, LinkConfig, Runtime, make_link
 
@@ -366,11 +369,8 @@ class Daemon:
         runtime = Runtime(pods=self.pods, host=self.host, events=EventBuffer(),
                           mesh_dir=node_dir / "mesh")
         await nursery.start(runtime.run)
-        services = {"volumes": self.volumes, "securityGroups": self.groups, "names": self.names,
-                    "host": self.host, "pods": self.pods,
-                    "traffic": self.network.traffic if self.network else object(),
-                    "mesh": object()}
-        self.link = make_link(cfg, runtime, services, trio.lowlevel.current_trio_token())
+        self.link = make_link(cfg, runtime, self.services(), trio.lowlevel.current_trio_token(),
+                              bridge=bridge)
         self.link.start()
         log.info("the control plane: %s (checked for %s)", cfg.control_plane, cfg.server_name)
 

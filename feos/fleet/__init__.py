@@ -6,44 +6,36 @@ the control plane's chain, and the node connections, on a thread of the link's o
 
 from __future__ import annotations
 
-import importlib
-import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import trio
 
+from ._calls import Dispatcher as Dispatcher
 from ._events import EventBuffer as EventBuffer
 from ._h2client import split_address
 from ._link import Link as Link
 from ._link import Runtime as Runtime
+from ._nodeconn import NodeConnections as NodeConnections
+from ._nodeconn import Target as Target
+from ._nodeconn import serve_connection as serve_connection
+from ._nodeconn import stop_message as stop_message
 from ._uplink import LinkConfig as LinkConfig
 from ._verify import Refused as Refused
 from ._verify import Verifier as Verifier
 from ._verify import client_context as client_context
 
-log = logging.getLogger(__name__)
-
 
 def make_link(cfg: LinkConfig, runtime: Runtime, services: Mapping[str, object],
-              main_token: trio.lowlevel.TrioToken) -> Link:
-    """The link, with node connections serving `services` (keyed as the API's bootstrap)."""
-    connections, target = _node_connections(services, main_token)
-    return Link(cfg, runtime, connections, target)
+              main_token: trio.lowlevel.TrioToken, *, bridge: Any = None) -> Link:
+    """The link, with node connections serving `services` (keyed as the API's bootstrap).
 
+    `bridge` is feosd's Cap'n Proto thread: the streams' relays (logs, the console, exec) run
+    there, as they do for a call on the socket."""
+    connections = NodeConnections(Dispatcher(services, main_token, bridge=bridge))
 
-def _node_connections(services: Mapping[str, object], main_token: trio.lowlevel.TrioToken
-                      ) -> tuple[Any, Callable[[str, str], Any]]:
-    try:
-        nodeconn = importlib.import_module("feos.fleet._nodeconn")
-        calls = importlib.import_module("feos.fleet._calls")
-    except ImportError:
-        log.warning("this build of feosd has no node connections (feos.fleet._nodeconn): "
-                    "the uplink runs without them")
-        return None, lambda address, name: (address, name)
-
-    def target(address: str, name: str) -> Any:
+    def target(address: str, name: str) -> Target:
         host, port = split_address(address)
-        return nodeconn.Target(host, port, name)
+        return Target(host, port, name)
 
-    return nodeconn.NodeConnections(calls.Dispatcher(services, main_token)), target
+    return Link(cfg, runtime, connections, target)
