@@ -83,6 +83,7 @@ class Connection:
         self.since = time.time()
         self.last_rtt: float | None = None
         self._dirty = trio.Event()
+        self._rearmed = trio.Event()  # the core's deadline moved earlier (a ping answered)
         self._progress = trio.Event()
         self._idle = trio.Event()
         self._closed = trio.Event()
@@ -163,7 +164,9 @@ class Connection:
 
     async def _ticker(self) -> None:
         while self.core.ended is None:
-            await trio.sleep_until(self.core.deadline())
+            with trio.move_on_at(self.core.deadline()):
+                await self._rearmed.wait()  # an answered ping: the next one is due sooner
+            self._rearmed = trio.Event()
             self._events(self.core.tick(trio.current_time()))
             self._wake()
 
@@ -183,6 +186,7 @@ class Connection:
                     scope.cancel()
             elif isinstance(event, PingAnswered):
                 self.last_rtt = event.rtt
+                self._rearmed.set()
             elif isinstance(event, ConnectionEnded):
                 self.ended = event
                 if not event.by_peer or event.code:

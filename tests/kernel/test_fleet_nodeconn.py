@@ -325,3 +325,11 @@ async def test_a_target_no_longer_listed_is_shut_and_not_dialed_again(tmp_path: 
         await trio.sleep(1.5)
         assert cp.accepted == 1
         assert (await kept.call_ok("volumes", "listVolumes", {}))["status"]["code"] == "ok"
+
+
+async def test_pings_go_at_their_interval_once_answered(tmp_path: Path) -> None:
+    """An answered ping arms the next one at ping_interval, not at the unanswered one's timeout."""
+    async with control_plane() as (cp,), \
+            node(tmp_path, [cp], ping_interval=0.2, ping_timeout=30) as (_link, _v, _p):
+        client = await cp.accept()
+        await until(lambda: client.pings_seen >= 5, within=10)
