@@ -96,7 +96,7 @@ def test_a_waiting_diskd_says_so_and_serves_once_the_lock_is_free(tmp_path: Path
 def test_info_says_why_there_is_no_object_store_nor_ublk(node: DiskdProc) -> None:
     info = node.ctl_json("info")[0]
     assert info["store"]["configured"] is False
-    assert "no bucket" in info["store"]["reason"]
+    assert "S3_BUCKET" in info["store"]["reason"]
     assert info["ublk"].startswith("unavailable")
     with pytest.raises(FeosError) as caught:
         node.call("push", digest=EMPTY_DIGEST)

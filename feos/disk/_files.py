@@ -105,6 +105,10 @@ class Files:
         path.unlink(missing_ok=True)
         return path
 
+    def record_layer(self, layer: Layer) -> None:
+        """A layer's record (its file is in place: pulled, or registered)."""
+        write_json(self.layers / f"{layer.file}.json", layer.to_json())
+
     def register(self, tmp: Path, layer: Layer) -> Layer:
         """A finished layer file named by its digest, read-only, with its record."""
         os.chmod(tmp, 0o444)
