@@ -13,6 +13,7 @@ diskd's start, or starts it again where it died while diskd was away.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -109,7 +110,12 @@ class DiskService:
         return self._disk_locks.setdefault(disk_id, trio.Lock())
 
     async def _keep(self, disk: Disk) -> Disk:
-        await trio.to_thread.run_sync(self.files.keep_disk, disk)
+        try:
+            await trio.to_thread.run_sync(self.files.keep_disk, disk)
+        except OSError as exc:
+            code = Code.RESOURCE_EXHAUSTED if exc.errno == errno.ENOSPC else Code.INTERNAL
+            raise FeosError(code, f"disk {disk.id}: its record was not written: "
+                            f"{exc.strerror}") from exc
         self.disks = {**self.disks, disk.id: disk}
         return disk
 
@@ -247,8 +253,14 @@ class DiskService:
             if vmm == "firecracker":
                 pid = await _export.start(self.files.disk_dir(disk_id), disk.top,
                                           disk.top_format, owner)
-            disk = await self._keep(attrs.evolve(disk, state="started", vmm=vmm,
-                                                 owner_uid=owner, data_path_pid=pid))
+            started = attrs.evolve(disk, state="started", vmm=vmm, owner_uid=owner,
+                                   data_path_pid=pid)
+            try:
+                disk = await self._keep(started)
+            except FeosError:
+                if pid:  # not recorded: not left serving either
+                    await _export.stop(self.files.disk_dir(disk_id), pid)
+                raise
         return {"disk": self._answer(disk)}
 
     async def stop_disk(self, params: dict[str, Any]) -> dict[str, Any]:
