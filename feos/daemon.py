@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import grp
 import logging
 import os
 import signal
@@ -34,7 +33,9 @@ from ._host import HostService, own_binary, replace_binary, vmm_info
 from ._lock import take_lock
 from ._reaper import REAPER
 from ._sdnotify import notify
-from ._sockpath import reachable
+from ._sockpath import bind_unix
+from .disk import WAIT_S as DISKD_WAIT_S
+from .disk import Diskd
 from .errors import FeosError
 from .net import (
     DnsSockets,
@@ -49,7 +50,7 @@ from .net import (
 from .pods import PodService, SuspendedForStop, VolumeService
 from .rpc import Cap, CapnpThread, capnp_thread, close_listeners, listen
 from .rpc import serve as serve_interface
-from .vmm import MicroVms, choose_vmm
+from .vmm import MicroVms, choose_vmm, installed_guests
 
 if TYPE_CHECKING:
     from .fleet import Link
@@ -75,6 +76,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the API socket api.sock and runtime state (default /run/feos)",
     )
     p.add_argument("--tcp", metavar="ADDRESS", help="also serve the API on TCP, such as [::]:1337")
+    p.add_argument("--disk-socket", type=Path, default=None, metavar="PATH",
+                   help="diskd's socket, which serves the pods' disks (default "
+                   "<state-dir>/disk/diskd.sock)")
+    p.add_argument("--disk-wait", type=float, default=None, metavar="SECONDS",
+                   help="how long a pod that needs a disk waits for diskd to answer "
+                   "(default 120)")
     p.add_argument("--web", metavar="ADDRESS:PORT",
                    help="serve the web console, such as 127.0.0.1:8080 (off loopback: a token)")
     p.add_argument(
@@ -152,23 +159,6 @@ def parse_tcp(text: str) -> tuple[str, int]:
 # -- listeners ---------------------------------------------------------------------------------
 
 
-def bind_unix(path: Path) -> socket.socket:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    with reachable(path) as short:
-        sock.bind(short)
-    try:
-        gid = grp.getgrnam("feos").gr_gid
-    except KeyError:
-        os.chmod(path, 0o600)
-    else:
-        os.chown(path, 0, gid)
-        os.chmod(path, 0o660)
-    sock.listen(128)
-    return sock
-
-
 def bind_tcp(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -219,6 +209,7 @@ class Daemon:
         self.handover: dict[str, int] = {}
         self.vms: MicroVms | None = None
         self.pods: PodService | None = None
+        self.diskd: Diskd | None = None
         self.stop_record = SuspendedForStop(self.state_dir / "suspended-for-stop.json",
                                             control_plane=args.control_plane is not None)
         self._upgrade_send, self._upgrade_receive = trio.open_memory_channel[Path](1)
@@ -327,8 +318,15 @@ class Daemon:
             self.vms = MicroVms(self.state_dir, self.run_dir, bridge, network=self.guest_network,
                                 cgroups=cgroups, choice=vmm)
             await nursery.start(self.vms.run)
+            wait = DISKD_WAIT_S if self.args.disk_wait is None else self.args.disk_wait
+            self.diskd = Diskd(self.args.disk_socket or self.state_dir / "disk" / "diskd.sock",
+                               bridge, wait_s=wait)
+            if not await self.diskd.answers():
+                log.warning("no diskd answers at %s: a pod that needs a disk waits for it up to "
+                            "%gs, then fails", self.diskd.path, wait)
             self.pods = PodService(self.state_dir, self.vms, self.volumes, groups=self.groups,
-                                   tables=self.names, bridge=bridge)
+                                   tables=self.names, bridge=bridge, diskd=self.diskd)
+            self.volumes.disks = self.pods.disks
             self.pods.load()
             self.network = Network(self.args.network, self.state_dir, self.pods, self.groups,
                                    self.names, dns_sockets=self.dns_sockets)
@@ -351,6 +349,7 @@ class Daemon:
                                   upgrade=staged is not None)
             self.pods.events.close()  # watchers hear the end of their streams
             await bridge.call(close_listeners, servers)
+            await self.diskd.close()
             nursery.cancel_scope.cancel()
         if staged is not None:
             self.exec_upgrade(staged, lock_fd)
@@ -457,20 +456,6 @@ class Daemon:
         self.volumes.close()
         self.groups.close()
         self.names.close()
-
-
-def installed_guests(root: Path) -> list[str]:
-    """The installed guest versions, newest first (by the manifest's build time)."""
-    import json
-
-    found = []
-    for d in root.iterdir() if root.is_dir() else []:
-        try:
-            manifest = json.loads((d / "manifest.json").read_text())
-        except (OSError, ValueError):
-            continue
-        found.append((str(manifest.get("built", "")), d.name))
-    return [name for _, name in sorted(found, reverse=True)]
 
 
 def _where(sock: socket.socket) -> str:

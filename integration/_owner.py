@@ -99,6 +99,25 @@ def kill_and_wait(pid: int, timeout: float = 10) -> None:
         time.sleep(0.02)
 
 
+def terminate(proc: subprocess.Popen[Any], timeout: float) -> int:
+    """SIGTERM, and SIGKILL once `timeout` passed; the exit status (a harness's stop)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def kill_now(proc: subprocess.Popen[Any] | None) -> None:
+    """kill -9 of a harness's process, if it runs."""
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def end_group(proc: subprocess.Popen[Any]) -> None:
     """SIGKILL to a helper's process group (it and what it started), the helper reaped. No
     SIGTERM first: a harness that ends wants no feosd that suspends its pods on the way out."""
@@ -136,6 +155,12 @@ class Owner:
     def state_dir(self, path: Path) -> Path:
         """A feosd state directory: its microVMs' QEMUs are killed at the close."""
         self._add(path, lambda: _end_microvms(path))
+        return path
+
+    def disk_state(self, path: Path) -> Path:
+        """A diskd state directory: its exports (qemu-storage-daemon processes of their own
+        session, outliving diskd by design) killed and their FUSE mounts gone at the close."""
+        self._add(path, lambda: _end_exports(path))
         return path
 
     def process(self, pid: int) -> int:
@@ -178,6 +203,16 @@ def _delete_netns(name: str) -> None:
 def _end_microvms(state_dir: Path) -> None:
     for pid in qemu_pids(state_dir).values():
         kill_and_wait(pid)
+
+
+def _end_exports(state_dir: Path) -> None:
+    for pidfile in state_dir.glob("disks/*/qsd.pid"):
+        with contextlib.suppress(ValueError, OSError, IndexError):
+            pid = int(pidfile.read_text().split()[0])
+            if b"qemu-storage-daemon" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                kill_and_wait(pid)
+    for mount in state_dir.glob("disks/*/export.raw"):
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 OWNER = Owner()

@@ -53,7 +53,7 @@ from ._changes import (
     suspend_s,
 )
 from ._console import console_log
-from ._disks import remove_pod_disk
+from ._disks import DiskdPort, PodDisks, pod_disk
 from ._events import EventHub
 from ._netface import NetworkFace, naming
 from ._network import PodNet, PodNetworkService
@@ -82,6 +82,7 @@ class PodService:
         bridge: object = None,
         attach_timeout: float = 60.0,
         records: Records | None = None,
+        diskd: DiskdPort | None = None,
     ) -> None:
         self.state_dir = state_dir
         self._vms = vms
@@ -94,8 +95,9 @@ class PodService:
         self._pods: dict[str, Pod] = {}
         self._pods_lock = trio.Lock()
         self._changes = Changes()
-        self._bringup = BringUp(state_dir, vms, volumes, network=self._net, step=self._step,
-                                keep=self._keep, attach_s=attach_timeout)
+        self.disks = PodDisks(state_dir, diskd)  # the volume service's too (feosd sets it)
+        self._bringup = BringUp(state_dir, vms, volumes, disks=self.disks, network=self._net,
+                                step=self._step, keep=self._keep, attach_s=attach_timeout)
         self.events = EventHub()
 
     # -- running ---------------------------------------------------------------------------
@@ -126,6 +128,9 @@ class PodService:
             if loaded is not None:
                 loaded()  # the resolver answers the queries that waited
             nursery.start_soon(self._follow_vms, self._vms.subscribe())
+            if self.disks.serving:
+                volumes = {v.id: self._volumes.disk_path(v.id) for v in self._volumes.store}
+                nursery.start_soon(self.disks.adopt_plain_files, list(self._pods), volumes)
             task_status.started(self)
             await trio.sleep_forever()
 
@@ -165,6 +170,9 @@ class PodService:
         if lc.allows(pod.state, event):
             await self._apply(pod, event, reason)
 
+    def _disk_ids(self, pod: Pod) -> list[str]:
+        return [pod.id, *pod.spec.volume_ids()]
+
     def _vm(self, pod_id: str) -> VmInfo | None:
         try:
             return self._vms.get(pod_id)
@@ -185,6 +193,7 @@ class PodService:
         async def apply(pod: Pod) -> None:
             if pod.state == lc.RUNNING:  # else the change that held the lock made it so
                 await self._apply(pod, what, f"its microVM {what}: {reason}" if reason else "")
+                await self.disks.stop(self._disk_ids(pod))
 
         return apply
 
@@ -379,6 +388,7 @@ class PodService:
         if lc.next_state(pod.state, "stop", pod.id) == pod.state:
             return
         await self._stop_vm(pod)
+        await self.disks.stop(self._disk_ids(pod))
         await self._apply(pod, "stop", "stopped by a call")
 
     async def _stop_vm(self, pod: Pod) -> None:
@@ -411,7 +421,8 @@ class PodService:
         lc.next_state(pod.state, "delete", pod.id)
         await self._vms.delete(pod.id)
         await self._net.remove(pod)
-        await remove_pod_disk(self.state_dir, pod.id)
+        await self.disks.stop(pod.spec.volume_ids())  # the volumes stay, their disks stopped
+        await self.disks.delete(pod.id, pod_disk(self.state_dir, pod.id))
         await bounded_write(lambda: self._volumes.release(pod.id),
                             f"the release of pod {pod.id}'s volumes")
         async with self._pods_lock:
@@ -438,6 +449,7 @@ class PodService:
         if lc.next_state(pod.state, "suspend", pod.id) == pod.state:
             return
         await self._vms.suspend(pod.id)
+        await self.disks.stop(self._disk_ids(pod))
         await self._apply(pod, "suspend")
 
     @edge(PodRef)
@@ -451,6 +463,7 @@ class PodService:
             return
         self._net.check_named(pod)
         await self._net.prepare(pod, boot=False)
+        await self.disks.start(self._disk_ids(pod), self._vms.driver_for(pod.id))
         await self._vms.resume(pod.id)
         await self._apply(pod, "resume")
 
