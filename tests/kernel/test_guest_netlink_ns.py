@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -87,6 +88,18 @@ def state(ns: Netns) -> dict[str, Any]:
     }
 
 
+def settled(ns: Netns, ref: Netns, within: float = 3.0) -> dict[str, Any]:
+    """The namespace's state once it matches the reference's or `within` s passed: the kernel
+    finishes some changes after netlink's answer (a link's routes after it goes up, on 6.18),
+    for ip's namespace as for ours."""
+    deadline = time.monotonic() + within
+    while True:
+        got = state(ns)
+        if got == state(ref) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def pair(make_netns: Callable[[str], Netns]) -> tuple[Netns, Netns]:
     """Two namespaces alike: the reference's and netlink's."""
@@ -115,7 +128,7 @@ def test_each_configuration_replaces_the_last_as_ip_did(pair: tuple[Netns, Netns
     for config in CONFIGS:
         by_ip(ref, config)
         assert by_netlink(ns, config) is None
-        got = state(ns)
+        got = settled(ns, ref)
         assert got == state(ref), config
         ipv6, _ula, ipv4, _mtu = config
         addrs = "".join(got["addrs"])
