@@ -17,6 +17,7 @@ import trio
 
 from ..errors import Code, FeosError
 from ..vmm import VmInfo, VmSpec, VmState, guest_root, newest_guest
+from ._bake import Baker, token_for
 from ._disks import ensure_pod_disk, ensure_volume_disk, pod_disk
 from ._netface import NetworkFace
 from ._pod import Pod
@@ -38,6 +39,7 @@ class BringUp:
         step: Callable[[Pod, str], None],
         keep: Callable[[Pod], Awaitable[None]],
         attach_s: float,
+        baker: Baker | None = None,
     ) -> None:
         self._state_dir = state_dir
         self._vms = vms
@@ -46,6 +48,7 @@ class BringUp:
         self._step = step
         self._keep = keep
         self.attach_s = attach_s
+        self._baker = baker or Baker(None, _nowhere)
 
     async def run(self, pod: Pod) -> None:
         """Every step, RUNNING left to the caller; FeosError naming what failed."""
@@ -56,6 +59,7 @@ class BringUp:
         # made finds it there next time and asks.
         fresh = not pod_disk(self._state_dir, pod.id).exists()
         vm_spec = await self._prepare(pod)
+        token = token_for(pod, token)  # a disk on a baked layer has its image
         self._step(pod, "vm")
         info = await self._ensure_vm(pod, vm_spec)
         if info.state is not VmState.RUNNING:
@@ -64,6 +68,7 @@ class BringUp:
         guest = await self._attached(pod)
         self._step(pod, "volumes")
         await self._mount_volumes(pod, guest)
+        await self._baker.bake_point(pod, guest, token)
         self._step(pod, "containers")
         await self._start_containers(pod, guest, token, fresh=fresh)
 
@@ -157,6 +162,10 @@ class BringUp:
                 await guest.start_container(container.name)
             except FeosError as exc:
                 raise FeosError(exc.code, f"container {container.name}: {exc.message}") from None
+
+
+async def _nowhere(pod: Pod, digest: str) -> None:
+    raise AssertionError("a bring-up without diskd baked nothing")
 
 
 def container_config(pod: Pod, name: str, token: str) -> ContainerConfig:

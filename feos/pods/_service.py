@@ -35,6 +35,7 @@ from ..rpc import Cap
 from ..vmm import Crashed, Stopped, Suspended, VmEvent, VmInfo, VmState
 from . import _lifecycle as lc
 from ._api import CreatePod, ExecInPod, ListPods, PodLogs, PodRef, StartPod, WatchEvents, edge
+from ._bake import Baker, Diskd
 from ._bringup import BringUp
 from ._changes import (
     CREATE_S,
@@ -82,6 +83,7 @@ class PodService:
         bridge: object = None,
         attach_timeout: float = 60.0,
         records: Records | None = None,
+        diskd: Diskd | None = None,
     ) -> None:
         self.state_dir = state_dir
         self._vms = vms
@@ -94,8 +96,9 @@ class PodService:
         self._pods: dict[str, Pod] = {}
         self._pods_lock = trio.Lock()
         self._changes = Changes()
+        self._baker = Baker(diskd, self._baked)
         self._bringup = BringUp(state_dir, vms, volumes, network=self._net, step=self._step,
-                                keep=self._keep, attach_s=attach_timeout)
+                                keep=self._keep, attach_s=attach_timeout, baker=self._baker)
         self.events = EventHub()
 
     # -- running ---------------------------------------------------------------------------
@@ -117,6 +120,7 @@ class PodService:
                   ) -> None:
         async with trio.open_nursery() as nursery:
             self._changes.open(nursery)
+            await nursery.start(self._baker.run)
             await self._reconcile_volumes()
             await self._give_addresses()
             for pod in list(self._pods.values()):
@@ -205,6 +209,16 @@ class PodService:
     async def _keep(self, pod: Pod) -> None:
         record = pod.record()
         await bounded_write(lambda: self._records.put(pod.id, record), f"pod {pod.id}'s record")
+
+    async def _baked(self, pod: Pod, digest: str) -> None:
+        """A layer baked of the pod is in the object store: its record and its watchers say so."""
+
+        async def record(pod: Pod) -> None:
+            pod.baked = digest
+            await self._keep(pod)
+            self.events.publish(pod.id, pod.state, reason=f"baked {digest} is in the object store")
+
+        self._changes.submit(self._new_change(pod, "baked", RECORD_S, record), node=True)
 
     def _step(self, pod: Pod, step: str) -> None:
         pod.step = step
