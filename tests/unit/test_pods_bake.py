@@ -8,11 +8,15 @@ and what it tells, and the pull token a pod on a baked layer does not hand on.
 
 from __future__ import annotations
 
+import argparse
+
 import attrs
 import pytest
 import trio
 import trio.testing
 
+from feos.cli._commands import UsageError
+from feos.cli._pods import image_layers
 from feos.errors import Code, FeosError
 from feos.pods._bake import BLANK, LAYER, Baker, choose_base, token_for
 from feos.pods._pod import Pod
@@ -322,3 +326,20 @@ async def test_a_guest_that_cannot_freeze_goes_on(nursery: trio.Nursery) -> None
     assert ("bake", "pa0000000aa") not in diskd.calls
 
 
+
+
+# -- feosctl pod create --layer --bake -------------------------------------------------------------
+
+
+def test_feosctl_names_the_layers_of_the_one_container() -> None:
+    spec = {"containers": [{"name": "main", "image": IMAGE}]}
+    args = argparse.Namespace(layer=[A, B], bake=True)
+    assert image_layers(args, spec) == {
+        "imageLayers": {"image": IMAGE, "layers": [A, B], "mayBake": True}}
+    assert image_layers(argparse.Namespace(layer=[], bake=False), spec) == {}
+
+
+def test_feosctl_refuses_layers_for_two_containers() -> None:
+    spec = {"containers": [{"name": "a", "image": IMAGE}, {"name": "b", "image": IMAGE}]}
+    with pytest.raises(UsageError, match="need a pod of one container"):
+        image_layers(argparse.Namespace(layer=[], bake=True), spec)
