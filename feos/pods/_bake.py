@@ -24,15 +24,15 @@ guest's blank data volume (its L0 in diskd).
 
 A pod whose disk was made on a baked layer hands no pull token to its guest (`token_for`).
 
-diskd is reached through the Protocol below, the part of diskd's client (feos.disk) the bake
-uses; the guest through feos.pods._ports.Guest.
+diskd is reached through its client's one method (the Protocol below, feos.disk.Diskd's), the
+guest through feos.pods._ports.Guest.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import trio
 
@@ -46,36 +46,11 @@ BLANK, LAYER = "blank:", "layer:"
 THAW_S = 10.0  # a thaw of /data that does not end within it leaves the bring-up failed
 
 
-class LayerInfo(Protocol):
-    @property
-    def digest(self) -> str: ...
-
-    @property
-    def guest(self) -> str: ...
-
-
-class DiskInfo(Protocol):
-    @property
-    def base(self) -> str: ...
-
-    @property
-    def layers(self) -> Sequence[str]: ...
-
-
 class Diskd(Protocol):
-    """What the bake asks of diskd (schema/disk.capnp's DiskService); FeosError for a failure."""
+    """diskd's client (feos.disk.Diskd): one call of schema/disk.capnp's DiskService, its results
+    as a dict (camelCase), FeosError for a status that is not ok."""
 
-    async def store_configured(self) -> bool:
-        """Whether diskd has an object store (DiskdInfo.store.configured)."""
-        ...
-
-    async def pull(self, digest: str) -> LayerInfo: ...
-
-    async def bake(self, disk_id: str, image: str) -> LayerInfo: ...
-
-    async def push(self, digest: str) -> LayerInfo: ...
-
-    async def get_disk(self, disk_id: str) -> DiskInfo: ...
+    async def call(self, method: str, *, wait: bool = True, **params: Any) -> dict[str, Any]: ...
 
 
 def on_layer(pod: Pod) -> bool:
@@ -99,16 +74,17 @@ async def choose_base(diskd: Diskd | None, pod: Pod, guest: str, blank: str) -> 
     for digest in named_layers(pod) if diskd is not None else []:
         assert diskd is not None
         try:
-            layer = await diskd.pull(digest)
+            layer = (await diskd.call("pull", digest=digest)).get("layer", {})
         except FeosError as exc:
             log.warning("pod %s: layer %s passed over: %s", pod.id, digest, exc.message)
             continue
-        if layer.guest != guest:
+        made_for = layer.get("guest", "")
+        if made_for != guest:
             log.info("pod %s: layer %s passed over: made for guest %s, not %s", pod.id,
-                     digest, layer.guest or "(none)", guest)
+                     digest, made_for or "(none)", guest)
             continue
-        pod.disk = LAYER + layer.digest
-        return layer.digest
+        pod.disk = LAYER + layer.get("digest", digest)
+        return pod.disk.removeprefix(LAYER)
     pod.disk = BLANK + guest
     return blank
 
@@ -136,9 +112,9 @@ class Baker:
         if self.diskd is None or not self._may(pod, image):
             return
         disk = await self._disk(pod)
-        if disk is not None and len(disk.layers) > 1:  # baked by an earlier bring-up
+        if disk is not None and len(disk.get("layers", [])) > 1:  # baked by an earlier bring-up
             if not pod.baked:
-                self._push(pod, disk.base)
+                self._push(pod, disk["base"])
             return
         why = await self._not_now(pod, guest, image)
         if why:
@@ -152,10 +128,11 @@ class Baker:
         return bool(pod.image_layers.get("mayBake")) and bool(image) and not on_layer(pod) \
             and not pod.baked
 
-    async def _disk(self, pod: Pod) -> DiskInfo | None:
+    async def _disk(self, pod: Pod) -> dict[str, Any] | None:
         assert self.diskd is not None
         try:
-            return await self.diskd.get_disk(pod.id)
+            disk: dict[str, Any] = (await self.diskd.call("getDisk", id=pod.id))["disk"]
+            return disk
         except FeosError as exc:
             log.warning("pod %s: not baked: its disk: %s", pod.id, exc.message)
             return None
@@ -167,8 +144,9 @@ class Baker:
         if not names:
             return f"no container of the spec runs {image}"
         try:
-            if not await self.diskd.store_configured():
-                return "diskd has no object store"
+            store = (await self.diskd.call("info"))["info"].get("store", {})
+            if not store.get("configured"):
+                return f"diskd has no object store ({store.get('reason') or 'not configured'})"
             have = {c.name for c in await guest.list_containers()}
         except FeosError as exc:
             return exc.message
@@ -193,15 +171,15 @@ class Baker:
             await _thaw(pod, guest)
             return ""
         try:
-            layer = await self.diskd.bake(pod.id, image)
+            digest: str = (await self.diskd.call("bake", id=pod.id, image=image))["layer"]["digest"]
         except FeosError as exc:
             log.warning("pod %s: not baked: diskd did not seal its disk: %s", pod.id,
                         exc.message)
             return ""
         finally:
             await _thaw(pod, guest)
-        log.info("pod %s: %s baked into layer %s", pod.id, image, layer.digest)
-        return layer.digest
+        log.info("pod %s: %s baked into layer %s", pod.id, image, digest)
+        return digest
 
     def _push(self, pod: Pod, digest: str) -> None:
         assert self._nursery is not None, "the baker does not run"
@@ -210,12 +188,12 @@ class Baker:
     async def _push_now(self, pod: Pod, digest: str) -> None:
         assert self.diskd is not None
         try:
-            layer = await self.diskd.push(digest)
+            await self.diskd.call("push", digest=digest)
         except FeosError as exc:
             log.warning("pod %s: the baked layer %s was not pushed: %s", pod.id, digest,
                         exc.message)
             return
-        await self._pushed(pod, layer.digest)
+        await self._pushed(pod, digest)
 
 
 async def _thaw(pod: Pod, guest: Guest) -> None:

@@ -9,6 +9,7 @@ and what it tells, and the pull token a pod on a baked layer does not hand on.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import attrs
 import pytest
@@ -30,18 +31,6 @@ IMAGE = "registry.test/feos/demo:1"
 
 
 @attrs.frozen
-class Layer:
-    digest: str
-    guest: str = GUEST
-
-
-@attrs.frozen
-class Disk:
-    base: str
-    layers: tuple[str, ...]
-
-
-@attrs.frozen
 class Container:
     name: str
 
@@ -52,7 +41,7 @@ class FakeDiskd:
     def __init__(self, layers: dict[str, str] | None = None, *, store: bool = True) -> None:
         self.layers = dict(layers or {})
         self.store = store
-        self.disks: dict[str, Disk] = {}
+        self.disks: dict[str, dict[str, Any]] = {}
         self.fail: dict[str, FeosError] = {}
         self.calls: list[tuple[str, str]] = []
         self.push_held: trio.Event | None = None
@@ -62,29 +51,32 @@ class FakeDiskd:
         if name in self.fail:
             raise self.fail[name]
 
-    async def store_configured(self) -> bool:
-        return self.store
+    async def call(self, method: str, *, wait: bool = True, **params: Any) -> dict[str, Any]:
+        arg = str(params.get("digest") or params.get("id") or "")
+        if method != "info":
+            self._call(method, arg)
+        return await getattr(self, method)(arg)
 
-    async def pull(self, digest: str) -> Layer:
-        self._call("pull", digest)
+    async def info(self, _: str) -> dict[str, Any]:
+        store = {"configured": True} if self.store else {"reason": "no bucket (--s3-bucket)"}
+        return {"info": {"store": store}}
+
+    async def pull(self, digest: str) -> dict[str, Any]:
         if digest not in self.layers:
             raise FeosError(Code.NOT_FOUND, f"the object store has no layer {digest}")
-        return Layer(digest, self.layers[digest])
+        return {"layer": {"digest": digest, "guest": self.layers[digest]}}
 
-    async def get_disk(self, disk_id: str) -> Disk:
-        self._call("get_disk", disk_id)
-        return self.disks.get(disk_id, Disk(L0, (L0,)))
+    async def getDisk(self, disk_id: str) -> dict[str, Any]:
+        return {"disk": self.disks.get(disk_id, {"base": L0, "layers": [L0]})}
 
-    async def bake(self, disk_id: str, image: str) -> Layer:
-        self._call("bake", disk_id)
-        self.disks[disk_id] = Disk(NEW, (NEW, L0))
-        return Layer(NEW)
+    async def bake(self, disk_id: str) -> dict[str, Any]:
+        self.disks[disk_id] = {"base": NEW, "layers": [NEW, L0]}
+        return {"layer": {"digest": NEW, "guest": GUEST}}
 
-    async def push(self, digest: str) -> Layer:
-        self._call("push", digest)
+    async def push(self, digest: str) -> dict[str, Any]:
         if self.push_held is not None:
             await self.push_held.wait()
-        return Layer(digest)
+        return {"layer": {"digest": digest, "pushed": True}}
 
 
 class FakeGuest:
@@ -190,7 +182,7 @@ async def test_the_bake_in_order_then_the_push(nursery: trio.Nursery) -> None:
                            "freeze", "thaw"]
     assert not guest.frozen
     await trio.testing.wait_all_tasks_blocked()
-    assert [name for name, _ in diskd.calls] == ["get_disk", "bake", "push"]
+    assert [name for name, _ in diskd.calls] == ["getDisk", "bake", "push"]
     assert made.pushed == [(pod.id, NEW)]
 
 
@@ -249,12 +241,12 @@ async def test_without_diskd_nothing_is_asked(nursery: trio.Nursery) -> None:
 async def test_a_disk_baked_before_is_pushed_not_baked_again(nursery: trio.Nursery) -> None:
     """A bring-up cut off after the seal: the next one finds the disk on its layer."""
     diskd, guest, pod = FakeDiskd(), FakeGuest(), _pod()
-    diskd.disks[pod.id] = Disk(NEW, (NEW, L0))
+    diskd.disks[pod.id] = {"base": NEW, "layers": [NEW, L0]}
     made = await _baker(nursery, diskd)
     await made.baker.bake_point(pod, guest, "")
     await trio.testing.wait_all_tasks_blocked()
     assert guest.calls == []
-    assert [name for name, _ in diskd.calls] == ["get_disk", "push"]
+    assert [name for name, _ in diskd.calls] == ["getDisk", "push"]
     assert made.pushed == [(pod.id, NEW)]
     pod.baked = NEW  # recorded: nothing more to do
     diskd.calls.clear()
