@@ -52,6 +52,9 @@ import debian_image  # noqa: E402
 from _owner import OWNER  # noqa: E402
 from podnet import BIN, REGISTRY_PORT, REGISTRY_V4, PodNet  # noqa: E402
 
+sys.path.insert(0, str(REPO / "bench"))
+from pods import _guest_steps  # noqa: E402  (the guest's own times, from its console)
+
 from feos.rpc import capnp_thread  # noqa: E402
 from feos.vmm._driver import VmSpec  # noqa: E402
 from feos.vmm._service import MicroVms  # noqa: E402
@@ -172,6 +175,7 @@ async def create(net: PodNet, pod_id: str, image: str, *extra: str) -> tuple[dic
     pod = await trio.to_thread.run_sync(net.ctl_json, "pod", "get", pod_id)
     steps = {this.get("step") or this.get("state", ""): (after["timeUnixNs"] - this["timeUnixNs"])
              / 1e9 for this, after in itertools.pairwise(events)}
+    steps.update(_guest_steps(net, pod_id))
     print(f"  pod {pod_id} ({pod.get('disk', '')}): " + ", ".join(
         f"{k} {v:.2f}" for k, v in steps.items()), flush=True)
     return pod, containers_phase(events)

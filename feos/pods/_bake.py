@@ -18,9 +18,10 @@ guest's blank data volume (its L0 in diskd).
   fails the bring-up (its data volume would stay frozen).
 - The push (in the Baker's nursery, outside the pod's lock: an upload takes long): diskd's Push,
   which tries three times itself. Once it is there, `pushed` (the pod service's) records the
-  layer in the pod's `baked` and tells the pod's watchers. A push that fails is logged; the
-  layer stays on the node, and the pod's next bring-up pushes it again (a disk on a layer of its
-  own that `baked` does not name yet: found at the bake point).
+  layer in the pod's `baked` and tells the pod's watchers. A push that fails, or that a restart
+  of feosd cut off, is logged and not tried again: the layer stays on the node (a collect
+  removes it, no disk stands on it). A bring-up cut off between the seal and its container
+  bakes again (diskd seals a copy of the top: the disk itself stays as it was).
 
 A pod whose disk was made on a baked layer hands no pull token to its guest (`token_for`).
 
@@ -111,11 +112,6 @@ class Baker:
         image = str(pod.image_layers.get("image") or "")
         if self.diskd is None or not self._may(pod, image):
             return
-        disk = await self._disk(pod)
-        if disk is not None and len(disk.get("layers", [])) > 1:  # baked by an earlier bring-up
-            if not pod.baked:
-                self._push(pod, disk["base"])
-            return
         why = await self._not_now(pod, guest, image)
         if why:
             log.info("pod %s: not baked: %s", pod.id, why)
@@ -127,15 +123,6 @@ class Baker:
     def _may(self, pod: Pod, image: str) -> bool:
         return bool(pod.image_layers.get("mayBake")) and bool(image) and not on_layer(pod) \
             and not pod.baked
-
-    async def _disk(self, pod: Pod) -> dict[str, Any] | None:
-        assert self.diskd is not None
-        try:
-            disk: dict[str, Any] = (await self.diskd.call("getDisk", id=pod.id))["disk"]
-            return disk
-        except FeosError as exc:
-            log.warning("pod %s: not baked: its disk: %s", pod.id, exc.message)
-            return None
 
     async def _not_now(self, pod: Pod, guest: Guest, image: str) -> str:
         """Why the pod does not bake now; "" when it does."""

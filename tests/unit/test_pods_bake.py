@@ -41,7 +41,6 @@ class FakeDiskd:
     def __init__(self, layers: dict[str, str] | None = None, *, store: bool = True) -> None:
         self.layers = dict(layers or {})
         self.store = store
-        self.disks: dict[str, dict[str, Any]] = {}
         self.fail: dict[str, FeosError] = {}
         self.calls: list[tuple[str, str]] = []
         self.push_held: trio.Event | None = None
@@ -66,11 +65,7 @@ class FakeDiskd:
             raise FeosError(Code.NOT_FOUND, f"the object store has no layer {digest}")
         return {"layer": {"digest": digest, "guest": self.layers[digest]}}
 
-    async def getDisk(self, disk_id: str) -> dict[str, Any]:
-        return {"disk": self.disks.get(disk_id, {"base": L0, "layers": [L0]})}
-
     async def bake(self, disk_id: str) -> dict[str, Any]:
-        self.disks[disk_id] = {"base": NEW, "layers": [NEW, L0]}
         return {"layer": {"digest": NEW, "guest": GUEST}}
 
     async def push(self, digest: str) -> dict[str, Any]:
@@ -182,7 +177,7 @@ async def test_the_bake_in_order_then_the_push(nursery: trio.Nursery) -> None:
                            "freeze", "thaw"]
     assert not guest.frozen
     await trio.testing.wait_all_tasks_blocked()
-    assert [name for name, _ in diskd.calls] == ["getDisk", "bake", "push"]
+    assert [name for name, _ in diskd.calls] == ["bake", "push"]
     assert made.pushed == [(pod.id, NEW)]
 
 
@@ -238,20 +233,12 @@ async def test_without_diskd_nothing_is_asked(nursery: trio.Nursery) -> None:
     assert guest.calls == []
 
 
-async def test_a_disk_baked_before_is_pushed_not_baked_again(nursery: trio.Nursery) -> None:
-    """A bring-up cut off after the seal: the next one finds the disk on its layer."""
+async def test_a_pod_whose_layer_is_pushed_bakes_no_more(nursery: trio.Nursery) -> None:
     diskd, guest, pod = FakeDiskd(), FakeGuest(), _pod()
-    diskd.disks[pod.id] = {"base": NEW, "layers": [NEW, L0]}
+    pod.baked = NEW
     made = await _baker(nursery, diskd)
     await made.baker.bake_point(pod, guest, "")
-    await trio.testing.wait_all_tasks_blocked()
-    assert guest.calls == []
-    assert [name for name, _ in diskd.calls] == ["getDisk", "push"]
-    assert made.pushed == [(pod.id, NEW)]
-    pod.baked = NEW  # recorded: nothing more to do
-    diskd.calls.clear()
-    await made.baker.bake_point(pod, guest, "")
-    assert diskd.calls == []
+    _no_bake(guest, diskd)
 
 
 @pytest.mark.parametrize(("fails", "calls"), [
