@@ -30,15 +30,17 @@ def holder(path: Path) -> str:
         return "unknown"
 
 
-async def take_lock(path: Path, *, retry: float = 1.0) -> int:
-    """Hold the lock (the fd returned) and write our pid into it."""
+async def take_lock(path: Path, *, retry: float = 1.0, who: str = "feosd") -> int:
+    """Hold the lock (the fd returned) and write our pid into it; `who` names the holder's kind
+    in the log (diskd holds <state>/disk/diskd.lock alike)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     said = False
     while not _try(fd):
         if not said:
             log.warning(
-                "another feosd (pid %s) holds %s: waiting for it, trying every %gs",
+                "another %s (pid %s) holds %s: waiting for it, trying every %gs",
+                who,
                 holder(path),
                 path,
                 retry,
@@ -50,3 +52,15 @@ async def take_lock(path: Path, *, retry: float = 1.0) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def held(path: Path) -> bool:
+    """Some process holds the lock at path (diskd --stop-after-lock asks of feosd's)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        return not _try(fd)  # taken: nobody held it (closing the fd lets it go again)
+    finally:
+        os.close(fd)

@@ -62,5 +62,9 @@ def guest() -> Any:
     return load("guest")
 
 
+def disk() -> Any:
+    return load("disk")
+
+
 def api() -> Any:
     return load("feos")

@@ -15,8 +15,11 @@ Firecracker's jail), so only feosd's side of each socket goes through `reachable
 from __future__ import annotations
 
 import contextlib
+import grp
 import os
+import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 SUN_PATH_MAX = 107  # bytes of a path, without the NUL that ends it
 
@@ -34,3 +37,22 @@ def reachable(path: str | os.PathLike[str]) -> Iterator[str]:
         yield f"/proc/self/fd/{fd}/{name}"
     finally:
         os.close(fd)
+
+
+def bind_unix(path: Path) -> socket.socket:
+    """A listening Unix socket at path (made anew): the group feos's, mode 0660, if that group
+    exists, else root's alone (0600)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    with reachable(path) as short:
+        sock.bind(short)
+    try:
+        gid = grp.getgrnam("feos").gr_gid
+    except KeyError:
+        os.chmod(path, 0o600)
+    else:
+        os.chown(path, 0, gid)
+        os.chmod(path, 0o660)
+    sock.listen(128)
+    return sock

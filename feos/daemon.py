@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import grp
 import logging
 import os
 import signal
@@ -34,7 +33,7 @@ from ._host import HostService, own_binary, replace_binary, vmm_info
 from ._lock import take_lock
 from ._reaper import REAPER
 from ._sdnotify import notify
-from ._sockpath import reachable
+from ._sockpath import bind_unix
 from .errors import FeosError
 from .net import (
     DnsSockets,
@@ -49,7 +48,7 @@ from .net import (
 from .pods import PodService, SuspendedForStop, VolumeService
 from .rpc import Cap, CapnpThread, capnp_thread, close_listeners, listen
 from .rpc import serve as serve_interface
-from .vmm import MicroVms, choose_vmm
+from .vmm import MicroVms, choose_vmm, installed_guests
 
 log = logging.getLogger("feosd")
 
@@ -140,23 +139,6 @@ def parse_tcp(text: str) -> tuple[str, int]:
 
 
 # -- listeners ---------------------------------------------------------------------------------
-
-
-def bind_unix(path: Path) -> socket.socket:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    with reachable(path) as short:
-        sock.bind(short)
-    try:
-        gid = grp.getgrnam("feos").gr_gid
-    except KeyError:
-        os.chmod(path, 0o600)
-    else:
-        os.chown(path, 0, gid)
-        os.chmod(path, 0o660)
-    sock.listen(128)
-    return sock
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
@@ -408,20 +390,6 @@ class Daemon:
         self.volumes.close()
         self.groups.close()
         self.names.close()
-
-
-def installed_guests(root: Path) -> list[str]:
-    """The installed guest versions, newest first (by the manifest's build time)."""
-    import json
-
-    found = []
-    for d in root.iterdir() if root.is_dir() else []:
-        try:
-            manifest = json.loads((d / "manifest.json").read_text())
-        except (OSError, ValueError):
-            continue
-        found.append((str(manifest.get("built", "")), d.name))
-    return [name for _, name in sorted(found, reverse=True)]
 
 
 def _where(sock: socket.socket) -> str:

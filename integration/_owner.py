@@ -138,6 +138,12 @@ class Owner:
         self._add(path, lambda: _end_microvms(path))
         return path
 
+    def disk_state(self, path: Path) -> Path:
+        """A diskd state directory: its exports (qemu-storage-daemon processes of their own
+        session, outliving diskd by design) killed and their FUSE mounts gone at the close."""
+        self._add(path, lambda: _end_exports(path))
+        return path
+
     def process(self, pid: int) -> int:
         """A process started otherwise (posix_spawn, a daemon): killed at the close."""
         self._add(pid, lambda: kill_and_wait(pid))
@@ -178,6 +184,16 @@ def _delete_netns(name: str) -> None:
 def _end_microvms(state_dir: Path) -> None:
     for pid in qemu_pids(state_dir).values():
         kill_and_wait(pid)
+
+
+def _end_exports(state_dir: Path) -> None:
+    for pidfile in state_dir.glob("disks/*/qsd.pid"):
+        with contextlib.suppress(ValueError, OSError, IndexError):
+            pid = int(pidfile.read_text().split()[0])
+            if b"qemu-storage-daemon" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                kill_and_wait(pid)
+    for mount in state_dir.glob("disks/*/export.raw"):
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 OWNER = Owner()

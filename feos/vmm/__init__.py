@@ -39,6 +39,7 @@ from ._service import Suspended as Suspended
 from ._service import VmEvent as VmEvent
 from ._service import VmInfo as VmInfo
 from ._service import guest_root as guest_root
+from ._service import installed_guests as installed_guests
 from ._service import newest_guest as newest_guest
 
 # Offered under names that say what they are at the package's level:

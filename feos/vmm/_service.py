@@ -152,6 +152,18 @@ def newest_guest(guest_root: Path) -> tuple[str, Path]:
     return best[2].name, best[2]
 
 
+def installed_guests(root: Path) -> list[str]:
+    """The installed guest versions, newest first (by the manifest's build time)."""
+    found = []
+    for d in root.iterdir() if root.is_dir() else []:
+        try:
+            manifest = json.loads((d / "manifest.json").read_text())
+        except (OSError, ValueError):
+            continue
+        found.append((str(manifest.get("built", "")), d.name))
+    return [name for _, name in sorted(found, reverse=True)]
+
+
 def guest_root() -> Path:
     return Path(os.environ.get("FEOS_GUEST_DIR", "/usr/lib/feos/guest"))
 

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from feos._sockpath import SUN_PATH_MAX, reachable
-from feos.daemon import bind_unix
+from feos._sockpath import SUN_PATH_MAX, bind_unix, reachable
 from feos.rpc._client import _sock_connect
 from feos.vmm._qmp import connect_qmp
 
