@@ -34,6 +34,8 @@ from ._lock import take_lock
 from ._reaper import REAPER
 from ._sdnotify import notify
 from ._sockpath import bind_unix
+from .disk import WAIT_S as DISKD_WAIT_S
+from .disk import Diskd
 from .errors import FeosError
 from .net import (
     DnsSockets,
@@ -71,6 +73,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the API socket api.sock and runtime state (default /run/feos)",
     )
     p.add_argument("--tcp", metavar="ADDRESS", help="also serve the API on TCP, such as [::]:1337")
+    p.add_argument("--disk-socket", type=Path, default=None, metavar="PATH",
+                   help="diskd's socket, which serves the pods' disks (default "
+                   "<state-dir>/disk/diskd.sock)")
+    p.add_argument("--disk-wait", type=float, default=None, metavar="SECONDS",
+                   help="how long a pod that needs a disk waits for diskd to answer "
+                   "(default 120)")
     p.add_argument("--web", metavar="ADDRESS:PORT",
                    help="serve the web console, such as 127.0.0.1:8080 (off loopback: a token)")
     p.add_argument(
@@ -189,6 +197,7 @@ class Daemon:
         self.handover: dict[str, int] = {}
         self.vms: MicroVms | None = None
         self.pods: PodService | None = None
+        self.diskd: Diskd | None = None
         self.stop_record = SuspendedForStop(self.state_dir / "suspended-for-stop.json",
                                             control_plane=args.control_plane is not None)
         self._upgrade_send, self._upgrade_receive = trio.open_memory_channel[Path](1)
@@ -291,8 +300,15 @@ class Daemon:
             self.vms = MicroVms(self.state_dir, self.run_dir, bridge, network=self.guest_network,
                                 cgroups=cgroups, choice=vmm)
             await nursery.start(self.vms.run)
+            wait = DISKD_WAIT_S if self.args.disk_wait is None else self.args.disk_wait
+            self.diskd = Diskd(self.args.disk_socket or self.state_dir / "disk" / "diskd.sock",
+                               bridge, wait_s=wait)
+            if not await self.diskd.answers():
+                log.warning("no diskd answers at %s: a pod that needs a disk waits for it up to "
+                            "%gs, then fails", self.diskd.path, wait)
             self.pods = PodService(self.state_dir, self.vms, self.volumes, groups=self.groups,
-                                   tables=self.names, bridge=bridge)
+                                   tables=self.names, bridge=bridge, diskd=self.diskd)
+            self.volumes.disks = self.pods.disks
             self.pods.load()
             self.network = Network(self.args.network, self.state_dir, self.pods, self.groups,
                                    self.names, dns_sockets=self.dns_sockets)
@@ -315,6 +331,7 @@ class Daemon:
             await self._stop_pods(suspend=staged is None and self.args.suspend_on_stop)
             self.pods.events.close()  # watchers hear the end of their streams
             await bridge.call(close_listeners, servers)
+            await self.diskd.close()
             nursery.cancel_scope.cancel()
         if staged is not None:
             self.exec_upgrade(staged, lock_fd)

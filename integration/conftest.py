@@ -33,7 +33,7 @@ def feosd_factory(tmp_path):  # type: ignore[no-untyped-def]
 
     yield make
     for daemon in made:
-        daemon.kill()
+        daemon.close()
 
 
 @pytest.fixture

@@ -1,10 +1,14 @@
 """A feosd process for tests: started in temporary directories, driven with feosctl as a user would.
 
 `Feosd(tmp_path).start()` runs `.venv/bin/feosd` with its state and run directories under
-tmp_path and waits for its socket; `ctl(...)` runs feosctl against it and returns the completed
-process; `stop()` sends SIGTERM (and kill -9 after a timeout), `kill()` kill -9. Every process it
-started is ended when the test ends, and at the latest when the run ends (integration/_owner.py:
-feosd and the QEMUs of its state directory, also after a SIGTERM of the run).
+tmp_path and waits for its socket; before it, it starts the diskd of that state directory
+(<state>/disk, one per state directory, as the README runs them) unless one runs already.
+`ctl(...)` runs feosctl against it and returns the completed process; `stop()` sends SIGTERM to
+feosd, then to diskd (diskd stops after feosd), and kill -9 after a timeout; `kill()` kill -9s
+feosd alone (a crash of feosd: diskd serves on, as it does on a node); `close()` ends both.
+Every process it started is ended when the test ends, and at the latest when the run ends
+(integration/_owner.py: feosd, diskd, the QEMUs of its state directory and diskd's exports, also
+after a SIGTERM of the run).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from _owner import OWNER
+from diskd_proc import DiskdProc
 
 BIN = Path(sys.executable).parent
 
@@ -35,6 +40,7 @@ class Feosd:
         self.log = root / "feosd.log"
         self.program = [str(BIN / "feosd")]
         OWNER.state_dir(self.state_dir)  # its microVMs end with the test run at the latest
+        self.diskd = DiskdProc(self.state_dir / "disk", env=env, log=root / "diskd.log")
 
     def command(self) -> list[str]:
         return [*self.program, "--state-dir", str(self.state_dir), "--run-dir", str(self.run_dir),
@@ -52,9 +58,15 @@ class Feosd:
     def start(self, timeout: float = 20.0, **kwargs: Any) -> Feosd:
         if self.socket.exists():
             self.socket.unlink()
+        self.start_diskd()
         self.spawn(**kwargs)
         self.wait_serving(timeout)
         return self
+
+    def start_diskd(self) -> None:
+        """diskd first (feosd waits for it where it needs a disk), unless it runs already."""
+        if self.diskd.proc is None or self.diskd.proc.poll() is not None:
+            self.diskd.start()
 
     def wait_serving(self, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
@@ -91,6 +103,8 @@ class Feosd:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.diskd.proc is not None:
+            self.diskd.stop(timeout)
         return self.proc.returncode
 
     def kill(self) -> None:
@@ -98,11 +112,15 @@ class Feosd:
             self.proc.kill()
             self.proc.wait()
 
+    def close(self) -> None:
+        self.kill()
+        self.diskd.kill()
+
     def __enter__(self) -> Feosd:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.kill()
+        self.close()
 
 
 def running_pod(node: Any, pod_id: str, *create: str) -> dict[str, Any]:

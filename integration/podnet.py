@@ -256,7 +256,7 @@ class PodNet:
     # -- the end ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        self.feosd.kill()
+        self.feosd.close()
         for pid in qemu_pids(self.feosd.state_dir).values():
             kill_and_wait(pid)
         if self.node_ns in self._made:

@@ -47,6 +47,9 @@ struct Disk {
   vmm @10 :Text;           # while started: "qemu" or "firecracker"
   dataPathPid @11 :UInt32; # while started raw: the process that serves it (0 when the VMM
                            # opens the chain itself)
+  chain @12 :List(Text);   # while started qcow2: the files of the layers beneath path, nearest
+                           # first; path's backing names are their file names, so a VMM that
+                           # links path elsewhere (a chroot) links these beside it
 }
 
 struct StoreInfo {
@@ -81,10 +84,11 @@ interface DiskService {
 
   createDisk @2 (id :Text, kind :DiskKind, sizeBytes :UInt64, base :Text)
       -> (status :Common.Status, disk :Disk);
-  # A new disk: an empty top on the layer `base` (a digest diskd has; "" for a volume: the
-  # volumes' empty L0), grown to sizeBytes when that is larger than the base. No data is copied.
-  # ALREADY_EXISTS: a disk with the ID exists (its answer is the disk as it is);
-  # NOT_FOUND: no such layer; INVALID_ARGUMENT: a bad ID or size.
+  # A new disk: an empty top on the layer `base` (a digest diskd has; "": the volumes' empty
+  # L0), grown to sizeBytes when that is larger than the base. No data is copied. A create that
+  # comes again (the same ID, kind and base) answers the disk as it is; ALREADY_EXISTS: a disk
+  # with the ID exists of another kind or base; NOT_FOUND: no such layer; INVALID_ARGUMENT: a
+  # bad ID, digest or size.
 
   adoptDisk @3 (id :Text, kind :DiskKind, path :Text) -> (status :Common.Status, disk :Disk);
   # Take over a plain raw file made before diskd (a pod's <state>/disk/pods/<id>.img, a volume's
@@ -119,6 +123,7 @@ interface DiskService {
 
   collect @13 () -> (status :Common.Status, layersRemoved :UInt32, chunksEvicted :UInt32,
                      bytesFreed :UInt64);
-  # Garbage collection now: layers no disk stands on (but the L0s of installed guests) and
-  # cached chunks of no layer; diskd also runs it after a delete and when the cache is full.
+  # Garbage collection now: layers no disk stands on (but the empty L0 and the L0s of installed
+  # guests), children before parents, and cached chunks of no layer. Only when asked: a layer
+  # baked and not pushed yet would otherwise go with the last disk on it (docs/disk.md).
 }

@@ -9,7 +9,7 @@ first). Nothing here does I/O: the records are read and written by feos.disk._st
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -191,13 +191,14 @@ def size_for(base: Layer | None, asked: int) -> int:
 
 
 def disk_answer(disk: Disk, path: str) -> dict[str, Any]:
-    """The disk as the API's Disk struct (allocatedBytes is filled in by the caller)."""
+    """The disk as the API's Disk struct (allocatedBytes is filled in by the caller); the chain
+    is the layers' links beside the top, in the disk's directory (path's)."""
     started = disk.state == "started"
-    return {"id": disk.id, "kind": disk.kind, "sizeBytes": disk.size_bytes, "base": disk.base,
+    beside = path.rpartition("/")[0]
+    opened = started and not disk.exported
+    chain = [f"{beside}/{layer_file(d)}" for d in disk.layers] if opened else []
+    return {"chain": chain, "id": disk.id, "kind": disk.kind, "sizeBytes": disk.size_bytes,
+            "base": disk.base,
             "layers": list(disk.layers), "state": disk.state, "path": path if started else "",
             "format": disk.served_format(), "ownerUid": disk.owner_uid if started else 0,
             "vmm": disk.vmm if started else "", "dataPathPid": disk.data_path_pid}
-
-
-def names_in(layers: Sequence[str]) -> list[str]:
-    return [layer_file(d) for d in layers]

@@ -8,6 +8,7 @@ pod service records RUNNING or FAILED from its end.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -17,8 +18,8 @@ import trio
 
 from ..errors import Code, FeosError
 from ..vmm import VmInfo, VmSpec, VmState, guest_root, newest_guest
-from ._bake import Baker, token_for
-from ._disks import ensure_pod_disk, ensure_volume_disk, pod_disk
+from ._bake import Baker, choose_base, token_for
+from ._disks import DiskFile, PodDisks
 from ._netface import NetworkFace
 from ._pod import Pod
 from ._ports import ContainerConfig, Guest, MicroVmsPort, VolumeMount, Volumes, VolumeSpec
@@ -35,6 +36,7 @@ class BringUp:
         vms: MicroVmsPort,
         volumes: Volumes,
         *,
+        disks: PodDisks,
         network: NetworkFace,
         step: Callable[[Pod, str], None],
         keep: Callable[[Pod], Awaitable[None]],
@@ -44,6 +46,7 @@ class BringUp:
         self._state_dir = state_dir
         self._vms = vms
         self._volumes = volumes
+        self._disks = disks
         self._network = network
         self._step = step
         self._keep = keep
@@ -57,8 +60,9 @@ class BringUp:
         # A disk made by this bring-up holds no containers: no listContainers to ask (a guest
         # call, one of three on the containers' path). A bring-up cut off after the disk was
         # made finds it there next time and asks.
-        fresh = not pod_disk(self._state_dir, pod.id).exists()
-        vm_spec = await self._prepare(pod)
+        vm_spec, fresh = await self._prepare(pod)
+        if fresh:
+            await self._keep(pod)  # what the disk was made on
         token = token_for(pod, token)  # a disk on a baked layer has its image
         self._step(pod, "vm")
         info = await self._ensure_vm(pod, vm_spec)
@@ -78,27 +82,35 @@ class BringUp:
         except FeosError:
             return None
 
-    async def _prepare(self, pod: Pod) -> VmSpec:
-        """The disks and the link: what the microVM is made with."""
+    async def _prepare(self, pod: Pod) -> tuple[VmSpec, bool]:
+        """The disks (diskd's, started for the microVM's VMM) and the link: what the microVM is
+        made with; and whether the pod's disk was made now."""
         info = self._vm(pod)
         if info is not None:
             guest_dir = guest_root() / info.guest_version
         else:
             _, guest_dir = newest_guest(guest_root())
-        disk = await ensure_pod_disk(self._state_dir, pod.id, guest_dir, pod.spec.disk_size_mib)
-        volume_disks = []
+        vmm = self._vms.driver_for(pod.id)
+        choose = functools.partial(choose_base, self._baker.diskd, pod, guest_dir.name)
+        disk, fresh = await self._disks.pod(pod.id, guest_dir, pod.spec.disk_size_mib << 20, vmm,
+                                            choose)
+        volume_disks: list[DiskFile] = []
         for volume_id in pod.spec.volume_ids():
             volume = self._volumes.store.get(volume_id)
             if volume is None:
                 raise FeosError(Code.FAILED_PRECONDITION, f"volume {volume_id} is not on this node")
-            path = await ensure_volume_disk(self._volumes.disk_path(volume_id), volume.size_bytes)
-            volume_disks.append(str(path))
+            volume_disks.append(await self._disks.volume(
+                volume_id, self._volumes.disk_path(volume_id), volume.size_bytes, vmm))
         if pod.spec.network is not None:
-            pod.driver = self._vms.driver_for(pod.id)  # the network serves metadata for QEMU
+            pod.driver = vmm  # the network serves metadata for QEMU
         link = await self._network.prepare(pod)
         tap, mac = (link.tap, link.mac) if link is not None else (None, None)
-        return VmSpec(vcpus=pod.spec.vcpus, memory_mib=pod.spec.memory_mib, data_disk=str(disk),
-                      volumes=tuple(volume_disks), tap=tap, mac=mac, metadata=metadata(pod))
+        backing = dict.fromkeys(p for d in (disk, *volume_disks) for p in d.chain)
+        spec = VmSpec(vcpus=pod.spec.vcpus, memory_mib=pod.spec.memory_mib, data_disk=disk.path,
+                      data_format=disk.format, volumes=tuple(v.path for v in volume_disks),
+                      volume_formats=tuple(v.format for v in volume_disks),
+                      backing=tuple(backing), tap=tap, mac=mac, metadata=metadata(pod))
+        return spec, fresh
 
     async def _ensure_vm(self, pod: Pod, spec: VmSpec) -> VmInfo:
         info = self._vm(pod)

@@ -30,6 +30,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 import trio
 
+from ..disk import WAIT_S as DISKD_WAIT_S  # how long a change that needs a disk waits for diskd
 from ..errors import Code, FeosError
 from ..vmm import suspend_budget_mib
 from ._pod import Pod
@@ -46,8 +47,9 @@ RECORD_S = 30.0
 """One record write: an fsync can take seconds behind the write-back of a snapshot's memory."""
 CREATE_S = 60.0
 """Create's part before its answer: the volumes claimed, the addresses, the first record."""
-DISK_S = 60.0
-"""The pod's disk: the guest's blank data volume unpacked once per guest version, then copied."""
+DISK_S = DISKD_WAIT_S + 60.0
+"""The pod's disks from diskd: the guest's blank data volume imported once per guest version,
+the disk made (no copy) and started."""
 VOLUMES_S = 60.0
 """The guest formats (first boot) and mounts the pod's volumes."""
 PULLS_S = 300.0
@@ -62,9 +64,9 @@ STOP_S = SHUTDOWN_GRACE_S + REMOVAL_S + RECORD_S
 DELETE_S = REMOVAL_S + 30.0 + 3 * RECORD_S
 """The microVM, the network (TAP, table, conntrack) and the disk removed, the volumes released,
 the record removed."""
-RESUME_S = 90.0
-"""The link made, the VMM loads the snapshot (30 s), the guest answers its ping (30 s), the
-record."""
+RESUME_S = 90.0 + DISKD_WAIT_S
+"""The disks started (diskd waited for, up to two minutes), the link made, the VMM loads the
+snapshot (30 s), the guest answers its ping (30 s), the record."""
 
 
 def bring_up_s(attach_s: float) -> float:

@@ -35,7 +35,7 @@ from ..rpc import Cap
 from ..vmm import Crashed, Stopped, Suspended, VmEvent, VmInfo, VmState
 from . import _lifecycle as lc
 from ._api import CreatePod, ExecInPod, ListPods, PodLogs, PodRef, StartPod, WatchEvents, edge
-from ._bake import Baker, Diskd
+from ._bake import Baker
 from ._bringup import BringUp
 from ._changes import (
     CREATE_S,
@@ -54,7 +54,7 @@ from ._changes import (
     suspend_s,
 )
 from ._console import console_log
-from ._disks import remove_pod_disk
+from ._disks import DiskdPort, PodDisks, pod_disk
 from ._events import EventHub
 from ._netface import NetworkFace, naming
 from ._network import PodNet, PodNetworkService
@@ -83,7 +83,7 @@ class PodService:
         bridge: object = None,
         attach_timeout: float = 60.0,
         records: Records | None = None,
-        diskd: Diskd | None = None,
+        diskd: DiskdPort | None = None,
     ) -> None:
         self.state_dir = state_dir
         self._vms = vms
@@ -96,9 +96,11 @@ class PodService:
         self._pods: dict[str, Pod] = {}
         self._pods_lock = trio.Lock()
         self._changes = Changes()
+        self.disks = PodDisks(state_dir, diskd)  # the volume service's too (feosd sets it)
         self._baker = Baker(diskd, self._baked)
-        self._bringup = BringUp(state_dir, vms, volumes, network=self._net, step=self._step,
-                                keep=self._keep, attach_s=attach_timeout, baker=self._baker)
+        self._bringup = BringUp(state_dir, vms, volumes, disks=self.disks, network=self._net,
+                                step=self._step, keep=self._keep, attach_s=attach_timeout,
+                                baker=self._baker)
         self.events = EventHub()
 
     # -- running ---------------------------------------------------------------------------
@@ -130,6 +132,9 @@ class PodService:
             if loaded is not None:
                 loaded()  # the resolver answers the queries that waited
             nursery.start_soon(self._follow_vms, self._vms.subscribe())
+            if self.disks.serving:
+                volumes = {v.id: self._volumes.disk_path(v.id) for v in self._volumes.store}
+                nursery.start_soon(self.disks.adopt_plain_files, list(self._pods), volumes)
             task_status.started(self)
             await trio.sleep_forever()
 
@@ -169,6 +174,9 @@ class PodService:
         if lc.allows(pod.state, event):
             await self._apply(pod, event, reason)
 
+    def _disk_ids(self, pod: Pod) -> list[str]:
+        return [pod.id, *pod.spec.volume_ids()]
+
     def _vm(self, pod_id: str) -> VmInfo | None:
         try:
             return self._vms.get(pod_id)
@@ -189,6 +197,7 @@ class PodService:
         async def apply(pod: Pod) -> None:
             if pod.state == lc.RUNNING:  # else the change that held the lock made it so
                 await self._apply(pod, what, f"its microVM {what}: {reason}" if reason else "")
+                await self.disks.stop(self._disk_ids(pod))
 
         return apply
 
@@ -393,6 +402,7 @@ class PodService:
         if lc.next_state(pod.state, "stop", pod.id) == pod.state:
             return
         await self._stop_vm(pod)
+        await self.disks.stop(self._disk_ids(pod))
         await self._apply(pod, "stop", "stopped by a call")
 
     async def _stop_vm(self, pod: Pod) -> None:
@@ -425,7 +435,8 @@ class PodService:
         lc.next_state(pod.state, "delete", pod.id)
         await self._vms.delete(pod.id)
         await self._net.remove(pod)
-        await remove_pod_disk(self.state_dir, pod.id)
+        await self.disks.stop(pod.spec.volume_ids())  # the volumes stay, their disks stopped
+        await self.disks.delete(pod.id, pod_disk(self.state_dir, pod.id))
         await bounded_write(lambda: self._volumes.release(pod.id),
                             f"the release of pod {pod.id}'s volumes")
         async with self._pods_lock:
@@ -452,6 +463,7 @@ class PodService:
         if lc.next_state(pod.state, "suspend", pod.id) == pod.state:
             return
         await self._vms.suspend(pod.id)
+        await self.disks.stop(self._disk_ids(pod))
         await self._apply(pod, "suspend")
 
     @edge(PodRef)
@@ -465,6 +477,7 @@ class PodService:
             return
         self._net.check_named(pod)
         await self._net.prepare(pod, boot=False)
+        await self.disks.start(self._disk_ids(pod), self._vms.driver_for(pod.id))
         await self._vms.resume(pod.id)
         await self._apply(pod, "resume")
 

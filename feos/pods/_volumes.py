@@ -2,7 +2,9 @@
 
 A volume is recorded at creation (AVAILABLE); its disk is made at its first boot. A pod claims
 its volumes all or none (ATTACHED to it) and its deletion lets them go (AVAILABLE again). A
-volume's disk is a sparse file, <state-dir>/volumes/<id>.disk, until diskd serves disks.
+volume's disk is diskd's disk of the volume's ID on the volumes' empty L0 (feos.pods._disks);
+<state-dir>/volumes/<id>.disk is its plain file from before diskd, which diskd takes over.
+DeleteVolume deletes its disk first: a volume whose disk diskd could not delete stays.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -133,9 +135,14 @@ class VolumeId:
     id: str = attrs.field(default="", validator=_checked(check_volume_id))
 
 
+class DiskDeleter(Protocol):
+    async def delete(self, disk_id: str, plain: Path) -> None: ...
+
+
 class VolumeService:
     def __init__(self, state_dir: Path) -> None:
         self.directory = state_dir / "volumes"
+        self.disks: DiskDeleter | None = None  # the pod service's (feos.pods._disks.PodDisks)
         self.store: Store[Volume] = Store(
             RecordDir(self.directory, _schema.volume().Volume, thread_name="volume-records"),
             Volume.to_dict,
@@ -213,9 +220,12 @@ class VolumeService:
                     Code.FAILED_PRECONDITION,
                     f"volume {volume_id} is {volume.state} to pod {volume.pod_id}",
                 )
+            path = self.disk_path(volume_id)
+            if self.disks is not None:
+                await self.disks.delete(volume_id, path)
+            else:
+                await trio.to_thread.run_sync(lambda: path.unlink(missing_ok=True))
             await self.store.remove(volume_id)
-        path = self.disk_path(volume_id)
-        await trio.to_thread.run_sync(lambda: path.unlink(missing_ok=True))
         return {}
 
     # -- for the pod service ---------------------------------------------------------------

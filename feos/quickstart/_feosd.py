@@ -1,7 +1,8 @@
 """feosd as the quickstart runs it, and feosctl as the quickstart drives it (as a user would).
 
-feosd is started in a session of its own (a Ctrl-C in the terminal reaches the quickstart, which
-then stops feosd in order, not feosd directly), its output in `<quickstart>/feosd.log`. A feosd
+diskd (the disks' daemon, on <state>/disk) is started first, then feosd, each in a session of
+its own (a Ctrl-C in the terminal reaches the quickstart, which then stops them in order, feosd
+first, not the daemons directly), their output in `<quickstart>/feosd.log` and `diskd.log`. A feosd
 already serving on the run directory's socket (one left by a quickstart killed with -9, or started
 by hand) is used as it is and left running at the end: it is not this run's.
 """
@@ -12,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -61,6 +63,41 @@ def has_option(name: str) -> bool:
     done = subprocess.run([str(BIN / "feosd"), "--help"], capture_output=True, text=True,
                           timeout=60)
     return re.search(rf"(^|[\s\[]){re.escape(name)}([\s\]=]|$)", done.stdout, re.M) is not None
+
+
+def diskd_socket(node: Node) -> Path:
+    return node.state_dir / "disk" / "diskd.sock"
+
+
+def diskd_serving(node: Node) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.connect(str(diskd_socket(node)))
+        except OSError:
+            return False
+    return True
+
+
+def start_diskd(node: Node) -> subprocess.Popen[bytes] | None:
+    """diskd on <state>/disk, started before feosd (which waits for it where it needs a disk);
+    None when one serves there already (it is not this run's and stays)."""
+    if diskd_serving(node):
+        return None
+    program = [str(BIN / "diskd")] if (BIN / "diskd").exists() else \
+        [sys.executable, "-m", "feos.disk"]
+    argv = [*program, "--state-dir", str(node.state_dir / "disk")]
+    node.state_dir.mkdir(parents=True, exist_ok=True)
+    with open(node.log.with_name("diskd.log"), "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + _SERVE_WAIT
+    while not diskd_serving(node):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            raise FeosError(Code.UNAVAILABLE, "diskd did not serve: "
+                            f"{_tail(node.log.with_name('diskd.log'))}")
+        time.sleep(0.1)
+    return proc
 
 
 def start(node: Node, args: list[str]) -> subprocess.Popen[bytes]:

@@ -6,7 +6,8 @@ The order, each step finding what is there before it makes anything:
    (_image), pushed with skopeo only when the registry lacks its digest;
 2. the prefix: `--pod-prefix` among feosd's arguments, else the one kept in the quickstart's
    directory (made once, _prefix);
-3. feosd: the one serving on the run directory's socket, else one started here with the prefix
+3. diskd and feosd: the feosd serving on the run directory's socket, else diskd (on
+   <state>/disk, unless one serves there) and then feosd started here with the prefix
    (and `--web 127.0.0.1:PORT` when this feosd has a web console: see WEB below);
 4. the demo pod (_demo), its page fetched on 127.0.0.1, then the summary printed;
 5. waiting for Ctrl-C or SIGTERM (or feosd's end), then the stop: the pod stopped (its record
@@ -69,8 +70,12 @@ def run(opts: Options) -> int:
     node = opts.node()
     reg = _registry.registry_for(opts.quickstart_dir)
     feosd: subprocess.Popen[bytes] | None = None
+    diskd: subprocess.Popen[bytes] | None = None
     try:
         image = _image_ready(opts, reg)
+        if not _feosd.serving(node):
+            diskd = _feosd.start_diskd(node)
+            say(f"diskd: {'started' if diskd else 'found serving'} on {_feosd.diskd_socket(node)}")
         feosd, web = _feosd_ready(opts, node)
         pod, done = _demo.bring_up(node, image, opts.port)
         say(f"the demo pod {_demo.POD_ID}: {done}")
@@ -84,6 +89,8 @@ def run(opts: Options) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         _teardown(node, reg, feosd)
+        if diskd is not None:  # after feosd: its pods' disks are diskd's
+            say(f"stopping diskd (exit {_feosd.stop(diskd)})")
     return 0
 
 

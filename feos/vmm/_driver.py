@@ -49,6 +49,11 @@ class VmSpec:
     memory_mib: int = 512
     data_disk: str | None = None  # a file (or device) the VMM opens as drive "data"
     volumes: tuple[str, ...] = ()  # drives "vol1", "vol2", ... in order
+    # The disks' formats ("raw", or "qcow2": diskd's top of a layer chain, QEMU only) and the
+    # layers' files the qcow2 tops stand on, which the VMM finds beside them by their names.
+    data_format: str = "raw"
+    volume_formats: tuple[str, ...] = ()  # by the volumes' order; "raw" where missing
+    backing: tuple[str, ...] = ()
     tap: str | None = None  # the pod's TAP device, made by the network layer
     mac: str | None = None
     metadata: str = "{}"  # JSON: the pod's metadata object (MMDS under Firecracker)

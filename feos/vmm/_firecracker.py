@@ -162,6 +162,10 @@ class FirecrackerDriver:
         jail.path("serial.log").touch()
 
     def _fc_config(self, vm: VmHandle, version: str) -> fcc.FcConfig:
+        formats = {vm.spec.data_format, *vm.spec.volume_formats} - {"raw"}
+        if formats:  # diskd serves Firecracker a raw FUSE file of the chain instead
+            raise FeosError(Code.INVALID_ARGUMENT,
+                            f"Firecracker opens raw disks only, not {', '.join(sorted(formats))}")
         if self._tsc_khz is None:
             self._tsc_khz = _host_tsc_khz() or 0
         initrd = "initramfs" if (vm.guest_dir / "initramfs").exists() else None

@@ -137,8 +137,11 @@ class QemuDriver:
         inactivates it) is then found on either side of the chroot."""
         drives = [Drive("root.erofs", "root", read_only=True)]
         if vm.spec.data_disk is not None:
-            drives.append(Drive("data", "data"))
-        drives += [Drive(f"volume{i}", f"vol{i + 1}") for i in range(len(vm.spec.volumes))]
+            drives.append(Drive("data", "data", format=vm.spec.data_format))
+        formats = vm.spec.volume_formats
+        drives += [Drive(f"volume{i}", f"vol{i + 1}",
+                         format=formats[i] if i < len(formats) else "raw")
+                   for i in range(len(vm.spec.volumes))]
         tap = None
         if vm.spec.tap is not None:
             tap = Tap(vm.spec.tap, vm.spec.mac or "06:00:00:00:00:01")
@@ -189,6 +192,11 @@ class QemuDriver:
                 st = os.stat(d / name)
                 owners[name] = [st.st_uid, st.st_gid]
                 os.chown(d / name, vm.uid, vm.uid)  # its reopen runs as the microVM's user
+        for path in vm.spec.backing:  # read-only layers, shared: linked, never given away
+            name = Path(path).name
+            if name not in links:
+                inside &= _link(Path(path), d / name, hard=True)
+                links.append(name)
         if not inside:
             log.warning("microVM %s: a disk is on another filesystem; QEMU runs without chroot",
                         vm.id)  # fmt: skip

@@ -42,10 +42,14 @@ class Drive:
     read_only: bool = False
     # discard=unmap: a guest's fstrim punches holes in a sparse disk file.
     discard: bool = True
+    format: str = "raw"  # or "qcow2": a diskd top, whose backing chain QEMU opens itself
 
     def __attrs_post_init__(self) -> None:
         _check("drive.path", self.path)
         _check("drive.serial", self.serial, _SERIAL_RE)
+        if self.format not in ("raw", "qcow2"):
+            raise FeosError(Code.INVALID_ARGUMENT, f"drive.format: {self.format!r} is not "
+                            "raw or qcow2")
 
 
 @attrs.frozen
@@ -144,7 +148,9 @@ def _machine(c: QemuConfig) -> list[str]:
 
 
 def _drive(index: int, d: Drive) -> list[str]:
-    opts = f"id=drive{index},file={d.path},format=raw,if=none,cache=writeback"
+    # cache=writeback: the host's page cache, and the guest's flushes honoured (a qcow2 top's
+    # flush writes its tables and fdatasyncs it): what the guest flushed is on stable storage.
+    opts = f"id=drive{index},file={d.path},format={d.format},if=none,cache=writeback"
     if d.read_only:
         opts += ",read-only=on"
     elif d.discard:

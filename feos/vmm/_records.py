@@ -78,7 +78,7 @@ def spec_from_json(text: str) -> VmSpec:
     raw: dict[str, Any] = json.loads(text)
     fields = {f.name for f in attrs.fields(VmSpec)}
     raw = {k: v for k, v in raw.items() if k in fields}  # a newer field a rollback does not know
-    for key in ("volumes", "kernel_extra"):
+    for key in ("volumes", "kernel_extra", "volume_formats", "backing"):
         if key in raw:
             raw[key] = tuple(raw[key])
     return VmSpec(**raw)

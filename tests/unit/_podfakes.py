@@ -16,7 +16,7 @@ import attrs
 import trio
 
 from feos.errors import Code, FeosError
-from feos.pods import _bringup, _service
+from feos.pods import _bringup
 from feos.pods._service import PodService
 from feos.pods._volumes import Volume
 from feos.vmm import Stopped, VmEvent, VmInfo, VmSpec, VmState
@@ -150,6 +150,28 @@ class FakeStore:
         return record_id in self.volumes
 
 
+class FakeDiskd:
+    """diskd as the pod service calls it: each disk's state, every call kept in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.states: dict[str, str] = {}
+
+    async def call(self, method: str, *, wait: bool = True, **params: Any) -> dict[str, Any]:
+        disk_id = str(params.get("id", ""))
+        self.calls.append((method, disk_id))
+        if method == "startDisk":
+            self.states[disk_id] = "started"
+        elif method == "stopDisk":
+            self.states[disk_id] = "stopped"
+        elif method == "deleteDisk":
+            if self.states.pop(disk_id, None) is None:
+                raise FeosError(Code.NOT_FOUND, f"diskd has no disk {disk_id}")
+            return {}
+        return {"disk": {"id": disk_id, "path": f"/disks/{disk_id}/top.qcow2",
+                         "format": "qcow2", "chain": []}}
+
+
 class FakeVolumes(Holds):
     def __init__(self) -> None:
         super().__init__()
@@ -200,12 +222,8 @@ class Node:
         return str(self.records.kept[pod_id]["state"])
 
 
-async def _no_disks(self: _bringup.BringUp, pod: Any) -> VmSpec:
-    return VmSpec(vcpus=pod.spec.vcpus, memory_mib=pod.spec.memory_mib)
-
-
-async def _no_disk(state_dir: Path, pod_id: str) -> None:
-    pass
+async def _no_disks(self: _bringup.BringUp, pod: Any) -> tuple[VmSpec, bool]:
+    return VmSpec(vcpus=pod.spec.vcpus, memory_mib=pod.spec.memory_mib), False
 
 
 @contextlib.asynccontextmanager
@@ -213,11 +231,11 @@ async def node(tmp_path: Path, monkeypatch: Any, *, records: FakeRecords | None 
                vms: FakeVms | None = None) -> AsyncIterator[Node]:
     """A pod service over fakes, running; its nursery is cancelled at the end."""
     monkeypatch.setattr(_bringup.BringUp, "_prepare", _no_disks)
-    monkeypatch.setattr(_service, "remove_pod_disk", _no_disk)
     vms = vms or FakeVms()
     volumes = FakeVolumes()
     records = records or FakeRecords()
-    made = Node(PodService(tmp_path, vms, volumes, records=records), vms, volumes, records)
+    made = Node(PodService(tmp_path, vms, volumes, records=records, diskd=FakeDiskd()), vms,
+                volumes, records)
     made.pods.load()
     async with trio.open_nursery() as nursery:
         await nursery.start(made.pods.run)
