@@ -51,6 +51,7 @@ sys.path.insert(0, str(REPO / "integration"))
 import _owner  # noqa: E402
 import debian_image  # noqa: E402
 from _owner import OWNER  # noqa: E402
+from moto_s3 import moto_s3  # noqa: E402
 from podnet import BIN, REGISTRY_PORT, REGISTRY_V4, PodNet  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
@@ -196,14 +197,13 @@ def wait_baked(net: PodNet, pod_id: str) -> str:
 
 
 def diskd_store(net: PodNet) -> str:
-    """Why the node cannot bake ("" when it can): feosd's diskd and its object store."""
-    done = net.ctl("--json", "host", "info", check=False)
-    info = json.loads(done.stdout or "{}")
-    disk = info.get("disk") or info.get("diskd") or {}
-    if not disk:
-        return "feosd reports no diskd"
-    store = disk.get("store", {})
-    return "" if store.get("configured") else f"diskd has no object store ({store})"
+    """Why the node cannot bake ("" when it can): its diskd's object store."""
+    done = net.feosd.diskd.ctl("info", check=False)
+    if done.returncode:
+        return f"diskctl info failed: {done.stderr.strip()}"
+    info = json.loads(done.stdout.splitlines()[0])
+    store = info.get("store", {})
+    return "" if store.get("configured") else store.get("reason", "no object store")
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -275,7 +275,11 @@ def main() -> int:
         root = Path(tmp)
         bare = OWNER.state_dir(root / "bare" / "state")
         try:
-            with PodNet(root / "net") as net:
+            with contextlib.ExitStack() as stack:
+                s3 = stack.enter_context(moto_s3(root))
+                net = PodNet(root / "net")
+                net.feosd.diskd.env.update(s3.env())  # the object store of feosd's diskd
+                stack.enter_context(net)
                 registry = f"{REGISTRY_V4}:{REGISTRY_PORT}"
                 image = debian_image.push(registry, tuple(net.in_inet()))
                 trio.run(bench, net, root, image, args.rand_s, args.rounds)

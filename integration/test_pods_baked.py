@@ -1,8 +1,7 @@
 """Baked images with real parts: a pod bakes its image, a second pod starts on the layer, no pull.
 
-feosd in integration/podnet.py's namespaces, diskd beside it (its socket in feosd's state
-directory, where feosd looks) with moto's S3 server (integration/moto_s3.py) as its object
-store. Two microVMs in all, QEMU under TCG:
+feosd in integration/podnet.py's namespaces, and the diskd its harness starts beside it, with
+moto's S3 server (integration/moto_s3.py) as its object store. Two microVMs in all, QEMU under TCG:
 
 1. a pod created with --bake on the busybox image: its disk is made on the guest's blank data
    volume (`disk` blank:<guest>), it bakes at its bake point, and once its layer is in the
@@ -21,7 +20,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from diskd_proc import DiskdProc
 from feosd_proc import BIN
 from moto_s3 import MotoS3, moto_s3
 from podnet import IMAGE, PodNet
@@ -35,8 +33,8 @@ BAKED_WAIT_S = 300.0
 
 
 class Node:
-    def __init__(self, net: PodNet, diskd: DiskdProc, s3: MotoS3) -> None:
-        self.net, self.diskd, self.s3 = net, diskd, s3
+    def __init__(self, net: PodNet, s3: MotoS3) -> None:
+        self.net, self.s3 = net, s3
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +42,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     root = tmp_path_factory.mktemp("bake")
     with moto_s3(root) as s3:
         net = PodNet(root / "net")
-        diskd = DiskdProc(net.state_dir / "disk", env=s3.env(), log=root / "diskd.log")
-        with diskd:
-            diskd.start()
-            with net:
-                yield Node(net, diskd, s3)
+        net.feosd.diskd.env.update(s3.env())  # the diskd feosd's harness starts first
+        with net:
+            yield Node(net, s3)
 
 
 def _events(net: PodNet, pod_id: str) -> subprocess.Popen[str]:
