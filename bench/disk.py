@@ -54,9 +54,6 @@ from _owner import OWNER  # noqa: E402
 from moto_s3 import moto_s3  # noqa: E402
 from podnet import BIN, REGISTRY_PORT, REGISTRY_V4, PodNet  # noqa: E402
 
-sys.path.insert(0, str(REPO / "bench"))
-from pods import _guest_steps  # noqa: E402  (the guest's own times, from its console)
-
 from feos.rpc import capnp_thread  # noqa: E402
 from feos.vmm._driver import VmSpec  # noqa: E402
 from feos.vmm._service import MicroVms  # noqa: E402
@@ -179,10 +176,22 @@ async def create(net: PodNet, pod_id: str, image: str, *extra: str) -> tuple[dic
     pod = await trio.to_thread.run_sync(net.ctl_json, "pod", "get", pod_id)
     steps = {this.get("step") or this.get("state", ""): (after["timeUnixNs"] - this["timeUnixNs"])
              / 1e9 for this, after in itertools.pairwise(events)}
-    steps.update(_guest_steps(net, pod_id))
     print(f"  pod {pod_id} ({pod.get('disk', '')}): " + ", ".join(
         f"{k} {v:.2f}" for k, v in steps.items()), flush=True)
+    for line in guest_said(net, pod_id):
+        print(f"    {line}", flush=True)
     return pod, containers_phase(events)
+
+
+GUEST_SAYS = ("feos-guest: pulled ", "feos-guest: container main made in",
+              "feos-guest: container main started in")
+
+
+def guest_said(net: PodNet, pod_id: str) -> list[str]:
+    """The guest's own account of its pull, create and start (its console)."""
+    log = net.state_dir / "vms" / "qemu" / pod_id / "serial.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return [line for line in text.splitlines() if line.startswith(GUEST_SAYS)]
 
 
 def wait_baked(net: PodNet, pod_id: str) -> str:
