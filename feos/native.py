@@ -191,3 +191,60 @@ def _field(
 ) -> memoryview:
     at = ffi.offsetof("struct feos_batch", name)
     return whole[at : at + count * struct.calcsize(fmt)].cast(fmt)
+
+
+# -- ublk: the driver's structures and command numbers (<linux/ublk_cmd.h>) --------------------
+# diskd's ublk data path would send these through io_uring; this host has no ublk_drv, so only
+# the layouts and numbers are here (docs/disk.md, "ublk").
+
+UBLK_STRUCTS = ("ublksrv_ctrl_cmd", "ublksrv_ctrl_dev_info", "ublksrv_io_desc", "ublksrv_io_cmd",
+                "ublk_param_basic", "ublk_param_discard", "ublk_params")
+_IOC_WRITE, _IOC_READ = 1, 2
+
+
+def _ffi() -> Any:
+    _lib()  # ImportError naming the fix when the module is not built
+    return _native.ffi
+
+
+def ublk_constants() -> dict[str, int]:
+    """Every UBLK_* number the header defines that the module was built with."""
+    lib = _lib()
+    return {name: int(getattr(lib, name)) for name in dir(lib) if name.startswith("UBLK_")}
+
+
+def ublk_layout(name: str) -> tuple[int, dict[str, int]]:
+    """The size of `struct name` and each of its fields' offsets, as the compiler laid it out."""
+    if name not in UBLK_STRUCTS:
+        raise ValueError(f"{name!r} is not a ublk structure")
+    ffi = _ffi()
+    ctype = ffi.typeof(f"struct {name}")
+    return ffi.sizeof(ctype), {field: ffi.offsetof(ctype, field) for field, _ in ctype.fields}
+
+
+def ublk_ioctl(number: int, struct_name: str) -> int:
+    """The command as newer kernels number it (UBLK_U_CMD_*, UBLK_U_IO_*): _IOWR('u', nr, T)."""
+    size, _ = ublk_layout(struct_name)
+    return ((_IOC_READ | _IOC_WRITE) << 30) | (size << 16) | (ord("u") << 8) | number
+
+
+def ublk_ctrl_cmd(dev_id: int, *, queue_id: int = 0xFFFF, length: int = 0, addr: int = 0,
+                  data: tuple[int, int] = (0, 0)) -> bytes:
+    """A control command's bytes, as an io_uring SQE's cmd area carries them."""
+    ffi = _ffi()
+    cmd = ffi.new("struct ublksrv_ctrl_cmd *")
+    cmd.dev_id, cmd.queue_id, cmd.len, cmd.addr = dev_id, queue_id, length, addr
+    cmd.data[0], cmd.data[1] = data
+    return bytes(ffi.buffer(cmd))
+
+
+def ublk_io_desc(raw: bytes) -> tuple[int, int, int, int, int]:
+    """An I/O descriptor the driver wrote: (op, flags, sectors, start sector, buffer address)."""
+    ffi = _ffi()
+    size = ffi.sizeof("struct ublksrv_io_desc")
+    if len(raw) != size:
+        raise ValueError(f"a ublksrv_io_desc is {size} bytes, not {len(raw)}")
+    desc = ffi.new("struct ublksrv_io_desc *")
+    ffi.memmove(desc, raw, size)
+    return (desc.op_flags & 0xFF, desc.op_flags >> 8, desc.nr_sectors, desc.start_sector,
+            desc.addr)

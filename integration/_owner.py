@@ -99,6 +99,25 @@ def kill_and_wait(pid: int, timeout: float = 10) -> None:
         time.sleep(0.02)
 
 
+def terminate(proc: subprocess.Popen[Any], timeout: float) -> int:
+    """SIGTERM, and SIGKILL once `timeout` passed; the exit status (a harness's stop)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def kill_now(proc: subprocess.Popen[Any] | None) -> None:
+    """kill -9 of a harness's process, if it runs."""
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def end_group(proc: subprocess.Popen[Any]) -> None:
     """SIGKILL to a helper's process group (it and what it started), the helper reaped. No
     SIGTERM first: a harness that ends wants no feosd that suspends its pods on the way out."""

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _owner import OWNER
+from _owner import OWNER, kill_now, terminate
 from diskd_proc import DiskdProc
 
 BIN = Path(sys.executable).parent
@@ -96,21 +96,13 @@ class Feosd:
 
     def stop(self, timeout: float = 30.0) -> int:
         assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, timeout)
         if self.diskd.proc is not None:
             self.diskd.stop(timeout)
         return self.proc.returncode
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        kill_now(self.proc)
 
     def close(self) -> None:
         self.kill()

@@ -4,10 +4,12 @@ take-over of a plain file, bake and collect. No microVM boots here (test_pods_di
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -48,6 +50,19 @@ def _write(path: Path, offset: int, data: bytes, *, sync: bool = False) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _exports_under(root: Path) -> list[int]:
+    """The qemu-storage-daemon processes serving a disk below root."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            words = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if words[0].endswith(b"qemu-storage-daemon") and str(root).encode() in b" ".join(words):
+            found.append(int(cmdline.parent.name))
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -96,7 +111,7 @@ def test_a_waiting_diskd_says_so_and_serves_once_the_lock_is_free(tmp_path: Path
 def test_info_says_why_there_is_no_object_store_nor_ublk(node: DiskdProc) -> None:
     info = node.ctl_json("info")[0]
     assert info["store"]["configured"] is False
-    assert "no bucket" in info["store"]["reason"]
+    assert "S3_BUCKET" in info["store"]["reason"]
     assert info["ublk"].startswith("unavailable")
     with pytest.raises(FeosError) as caught:
         node.call("push", digest=EMPTY_DIGEST)
@@ -305,3 +320,46 @@ def test_bake_seals_the_top_and_collect_removes_children_first(tmp_path: Path) -
         log = diskd.log_text()
         assert log.index(f"layer {baked['digest']}: collected") < \
             log.index(f"layer {gone['digest']}: collected")
+
+
+def test_a_full_disk_fails_the_write_and_keeps_what_was_flushed(tmp_path: Path) -> None:
+    """diskd's state on a 24 MiB tmpfs of the test's own: a volume of 64 MiB fills it; the write
+    that finds it full fails (an I/O error), and what was flushed before reads back, also after
+    the disk's stop and start."""
+    from _owner import OWNER
+
+    state = tmp_path / "small"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(state)], check=True)
+    try:
+        with DiskdProc(state / "disk", log=tmp_path / "diskd.log").start() as diskd:
+            diskd.call("createDisk", id="full", kind="volume", sizeBytes=64 * MIB)
+            path = Path(diskd.call("startDisk", id="full", vmm="firecracker",
+                                   ownerUid=0)["disk"]["path"])
+            kept = os.urandom(4 * MIB)
+            _write(path, 0, kept, sync=True)  # acknowledged
+            fd = os.open(path, os.O_WRONLY)
+            failed: OSError | None = None
+            try:
+                for offset in range(8 * MIB, 64 * MIB, MIB):
+                    os.pwrite(fd, os.urandom(MIB), offset)
+                    os.fsync(fd)
+            except OSError as exc:
+                failed = exc
+            finally:
+                os.close(fd)
+            assert failed is not None, "24 MiB held 56 MiB of random data"
+            assert failed.errno in (errno.EIO, errno.ENOSPC), failed
+            assert _read(path, 0, 4 * MIB) == kept
+            diskd.call("stopDisk", id="full")
+            with pytest.raises(FeosError) as caught:  # its record cannot be written now
+                diskd.call("startDisk", id="full", vmm="firecracker", ownerUid=0)
+            assert caught.value.code is Code.RESOURCE_EXHAUSTED
+            assert _exports_under(state) == []  # the export it started was ended again
+            copy = tmp_path / "copy.raw"  # the chain read whole, off the full filesystem
+            top = state / "disk" / "disks" / "full" / "top.qcow2"
+            subprocess.run(["qemu-img", "convert", "-O", "raw", str(top), str(copy)], check=True)
+            assert _read(copy, 0, 4 * MIB) == kept
+    finally:
+        OWNER.done(state / "disk")  # its exports end and their mounts go first
+        subprocess.run(["umount", "-l", str(state)], check=False)

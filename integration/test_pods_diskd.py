@@ -41,6 +41,13 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Feosd]:
         daemon.close()
 
 
+def on_volume(node: Feosd) -> dict:  # type: ignore[type-arg]
+    """Pod dkv0000001a running on the volume, whatever an earlier test left of either."""
+    if node.ctl("volume", "get", VOLUME, check=False).returncode == 15:
+        node.ctl("volume", "create", VOLUME, "--size", "128MiB")
+    return running_pod(node, "dkv0000001a", "-f", spec_file(node, "v", WITH_VOLUME))
+
+
 def disk(node: Feosd, disk_id: str) -> dict:  # type: ignore[type-arg]
     return dict(node.diskd.ctl_json("disk", disk_id)[0])
 
@@ -68,9 +75,7 @@ def test_two_pods_stand_on_the_guests_layer_with_no_copy(node: Feosd) -> None:
 
 
 def test_a_volume_is_a_disk_on_the_empty_layer_written_by_its_pod(node: Feosd) -> None:
-    if node.ctl("volume", "get", VOLUME, check=False).returncode == 15:
-        node.ctl("volume", "create", VOLUME, "--size", "128MiB")
-    running_pod(node, "dkv0000001a", "-f", spec_file(node, "v", WITH_VOLUME))
+    on_volume(node)
     volume = disk(node, VOLUME)
     assert volume["kind"] == "volume" and volume["state"] == "started"
     assert volume["sizeBytes"] == 128 << 20
@@ -79,9 +84,7 @@ def test_a_volume_is_a_disk_on_the_empty_layer_written_by_its_pod(node: Feosd) -
 
 
 def test_a_stopped_pod_stops_its_disks_and_starts_them_again(node: Feosd) -> None:
-    if node.ctl("volume", "get", VOLUME, check=False).returncode == 15:
-        node.ctl("volume", "create", VOLUME, "--size", "128MiB")
-    running_pod(node, "dkv0000001a", "-f", spec_file(node, "v", WITH_VOLUME))
+    on_volume(node)
     node.ctl("pod", "stop", "dkv0000001a")
     assert disk(node, "dkv0000001a")["state"] == "stopped"
     assert disk(node, VOLUME)["state"] == "stopped"
@@ -92,9 +95,7 @@ def test_a_stopped_pod_stops_its_disks_and_starts_them_again(node: Feosd) -> Non
 
 
 def test_a_kill_of_diskd_leaves_the_pods_their_disks(node: Feosd) -> None:
-    if node.ctl("volume", "get", VOLUME, check=False).returncode == 15:
-        node.ctl("volume", "create", VOLUME, "--size", "128MiB")
-    running_pod(node, "dkv0000001a", "-f", spec_file(node, "v", WITH_VOLUME))
+    on_volume(node)
     before = disk(node, VOLUME)
     node.diskd.kill()
     # The pod runs on: QEMU holds its chain; its guest answers, and suspends and resumes
@@ -113,9 +114,7 @@ def test_a_kill_of_diskd_leaves_the_pods_their_disks(node: Feosd) -> None:
 
 
 def test_a_deleted_pod_takes_its_disk_and_its_volume_goes_with_delete_volume(node: Feosd) -> None:
-    if node.ctl("volume", "get", VOLUME, check=False).returncode == 15:
-        node.ctl("volume", "create", VOLUME, "--size", "128MiB")
-    running_pod(node, "dkv0000001a", "-f", spec_file(node, "v", WITH_VOLUME))
+    on_volume(node)
     node.ctl("pod", "delete", "dkv0000001a")
     assert node.diskd.ctl("disk", "dkv0000001a", check=False).returncode == 4
     assert disk(node, VOLUME)["state"] == "stopped"  # the volume stays, its disk stopped

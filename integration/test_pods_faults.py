@@ -66,7 +66,7 @@ def assert_gone(net: PodNet, pod_id: str) -> None:
     assert pod_id not in net.qemus()
     assert f"pod-{pod_id}" not in net.links()
     assert not (net.state_dir / "pods" / f"{pod_id}.pb").exists()
-    assert not (net.state_dir / "disk" / "pods" / f"{pod_id}.img").exists()
+    assert not (net.state_dir / "disk" / "disks" / pod_id).exists()
     assert not (net.state_dir / "vms" / "qemu" / pod_id).exists()
 
 

@@ -89,7 +89,7 @@ def test_suspend_and_resume(node: Feosd, pod_a: str) -> None:
 def test_stop_and_start_on_the_same_disk(node: Feosd, pod_a: str) -> None:
     stopped = node.ctl_json("pod", "stop", "pa00000001a")
     assert stopped["state"] == "stopped"
-    disk = node.state_dir / "disk" / "pods" / "pa00000001a.img"
+    disk = node.state_dir / "disk" / "disks" / "pa00000001a" / "top.qcow2"  # diskd's
     assert disk.exists()
     refused = node.ctl("pod", "suspend", "pa00000001a", check=False)
     assert refused.returncode == 19
@@ -156,6 +156,6 @@ def test_delete_leaves_the_volume_available(node: Feosd, pod_a: str) -> None:
     assert volume["state"] == "available"
     assert volume["podId"] == ""
     assert volume["formatted"] is True
-    assert not (node.state_dir / "disk" / "pods" / "pa00000001a.img").exists()
+    assert not (node.state_dir / "disk" / "disks" / "pa00000001a").exists()
     assert not (node.state_dir / "pods" / "pa00000001a.pb").exists()
     assert not list(node.state_dir.glob("vms/qemu/pa00000001a"))

@@ -32,6 +32,8 @@ from ..errors import FeosError
 from ..rpc import capnp_thread, close_listeners, listen
 from ..rpc import serve as serve_interface
 from ..vmm import guest_root, installed_guests
+from ._chunks import ChunkCache
+from ._objstore import ObjectStore, StoreConfig, add_store_options
 from ._service import DiskService
 
 log = logging.getLogger("diskd")
@@ -52,8 +54,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "$FEOS_GUEST_DIR or /usr/lib/feos/guest)")
     p.add_argument("--cache-size", type=int, default=10 << 30, metavar="BYTES",
                    help="the chunk cache's limit (default 10 GiB)")
-    p.add_argument("--s3-bucket", default=os.environ.get("S3_BUCKET", ""),
-                   help="the object store's bucket (default $S3_BUCKET)")
+    add_store_options(p)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     if args.cache_size < 0:
@@ -61,19 +62,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def store_reason(bucket: str) -> str:
-    if not bucket:
-        return "no bucket is configured (S3_BUCKET in /etc/default/diskd, or --s3-bucket)"
-    return f"bucket {bucket} is configured, but this diskd is built without the object store"
+def open_store(args: argparse.Namespace) -> tuple[ObjectStore | None, str]:
+    """The object store diskd's options and environment name (/etc/default/diskd), or why
+    there is none."""
+    config, reason = StoreConfig.from_env(os.environ, args)
+    if config is None:
+        return None, reason.removeprefix("no object store: ")
+    log.info("the object store: bucket %s%s", config.bucket,
+             f" at {config.endpoint}" if config.endpoint else "")
+    return ObjectStore(config), ""
 
 
 async def serve(args: argparse.Namespace) -> None:
     state: Path = args.state_dir
     await take_lock(state / LOCK, who="diskd")
     guests = args.guest_dir or guest_root()
-    service = DiskService(state, guests=lambda: installed_guests(guests),
-                          store_reason=store_reason(args.s3_bucket), cache_limit=args.cache_size)
-    await service.recover()
+    store, reason = open_store(args)
+    cache = await trio.to_thread.run_sync(ChunkCache, state / "cache", args.cache_size)
+    service = DiskService(state, guests=lambda: installed_guests(guests), guest_dir=guests,
+                          store=store, store_reason=reason, cache=cache)
+    try:
+        await service.recover()
+        await _serve(args, service)
+    finally:
+        if store is not None:
+            store.close()
+
+
+async def _serve(args: argparse.Namespace, service: DiskService) -> None:
+    state: Path = args.state_dir
     log.info("recovered %d disks on %d layers", len(service.disks), len(service.layers))
     interface = _schema.disk().DiskService
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

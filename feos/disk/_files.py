@@ -10,11 +10,13 @@ and fsynced (feos.records.write_whole); a directory that appears does so by one 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +107,10 @@ class Files:
         path.unlink(missing_ok=True)
         return path
 
+    def record_layer(self, layer: Layer) -> None:
+        """A layer's record (its file is in place: pulled, or registered)."""
+        write_json(self.layers / f"{layer.file}.json", layer.to_json())
+
     def register(self, tmp: Path, layer: Layer) -> Layer:
         """A finished layer file named by its digest, read-only, with its record."""
         os.chmod(tmp, 0o444)
@@ -158,46 +164,42 @@ class Files:
 
     # -- disks -----------------------------------------------------------------------------
 
-    def make_disk(self, disk: Disk, base: Layer) -> None:
-        """The disk's directory, made aside and renamed in: its chain's links and an empty top."""
-        final = self.disk_dir(disk.id)
-        work = self.disks / f".{disk.id}.new"
+    @contextlib.contextmanager
+    def _aside(self, disk: Disk, why: str) -> Iterator[Path]:
+        """A disk's directory made aside (`.ID.why`), filled by the body, then its record written
+        and the directory renamed in at once; removed if the body fails."""
+        work = self.disks / f".{disk.id}.{why}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(mode=0o755)
         try:
-            for digest in disk.layers:
-                os.link(self.layer_path(digest), work / layer_file(digest))
-            run([QEMU_IMG, "create", "-q", "-f", "qcow2", "-o", "lazy_refcounts=off",
-                 "-b", base.file, "-F", base.format, str(work / disk.top), str(disk.size_bytes)],
-                f"the top of disk {disk.id} was not made")
+            yield work
             write_json(work / RECORD, disk.to_json())
-            os.rename(work, final)
+            os.rename(work, self.disk_dir(disk.id))
             fsync_dir(self.disks)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise
 
+    def make_disk(self, disk: Disk, base: Layer) -> None:
+        """The disk's directory: its chain's links and an empty top."""
+        with self._aside(disk, "new") as work:
+            for digest in disk.layers:
+                os.link(self.layer_path(digest), work / layer_file(digest))
+            run([QEMU_IMG, "create", "-q", "-f", "qcow2", "-o", "lazy_refcounts=off",
+                 "-b", base.file, "-F", base.format, str(work / disk.top), str(disk.size_bytes)],
+                f"the top of disk {disk.id} was not made")
+
     def adopt(self, disk: Disk, source: Path) -> None:
         """A plain file taken in as the disk's raw top: linked in, the directory renamed in, and
         only then the old name removed. A crash leaves the old name, the new, or both (one
         inode): never a copy, never nothing."""
-        final = self.disk_dir(disk.id)
-        work = self.disks / f".{disk.id}.adopt"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(mode=0o755)
-        try:
+        with self._aside(disk, "adopt") as work:
             try:
                 os.link(source, work / disk.top)
             except OSError as exc:
                 raise FeosError(Code.FAILED_PRECONDITION,
                                 f"{source} cannot move into {self.disks} without a copy: "
                                 f"{exc.strerror}") from exc
-            write_json(work / RECORD, disk.to_json())
-            os.rename(work, final)
-            fsync_dir(self.disks)
-        except BaseException:
-            shutil.rmtree(work, ignore_errors=True)
-            raise
         source.unlink()
         fsync_dir(source.parent)
 

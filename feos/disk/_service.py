@@ -13,6 +13,7 @@ diskd's start, or starts it again where it died while diskd was away.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -25,6 +26,7 @@ import trio
 
 from ..errors import Code, FeosError, invalid
 from . import _export
+from ._chunks import ChunkCache
 from ._files import Files, allocated, sha256_file
 from ._model import (
     EMPTY_DIGEST,
@@ -40,6 +42,7 @@ from ._model import (
     size_for,
     stack,
 )
+from ._objstore import LayerManifest, ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +65,15 @@ def _number(params: dict[str, Any], name: str) -> int:
 
 
 class DiskService:
-    def __init__(self, state_dir: Path, *, guests: Callable[[], Iterable[str]],
-                 store_reason: str, cache_limit: int) -> None:
+    def __init__(self, state_dir: Path, *, guests: Callable[[], Iterable[str]], guest_dir: Path,
+                 store: ObjectStore | None, store_reason: str, cache: ChunkCache) -> None:
         self.files = Files(state_dir)
         self.state_dir = state_dir
         self._guests = guests  # the guest versions installed: their L0s are never collected
+        self._guest_dir = guest_dir
+        self._store = store
         self._store_reason = store_reason
-        self._cache_limit = cache_limit
+        self._cache = cache
         self.layers: dict[str, Layer] = {}
         self.disks: dict[str, Disk] = {}
         self._disk_locks: dict[str, trio.Lock] = {}
@@ -105,7 +110,12 @@ class DiskService:
         return self._disk_locks.setdefault(disk_id, trio.Lock())
 
     async def _keep(self, disk: Disk) -> Disk:
-        await trio.to_thread.run_sync(self.files.keep_disk, disk)
+        try:
+            await trio.to_thread.run_sync(self.files.keep_disk, disk)
+        except OSError as exc:
+            code = Code.RESOURCE_EXHAUSTED if exc.errno == errno.ENOSPC else Code.INTERNAL
+            raise FeosError(code, f"disk {disk.id}: its record was not written: "
+                            f"{exc.strerror}") from exc
         self.disks = {**self.disks, disk.id: disk}
         return disk
 
@@ -128,10 +138,16 @@ class DiskService:
     # -- the API: looks ------------------------------------------------------------------------
 
     async def info(self, params: dict[str, Any]) -> dict[str, Any]:
+        stats = self._cache.stats()
+        store: dict[str, Any] = {"configured": False, "reason": self._store_reason}
+        if self._store is not None:
+            config = self._store.config
+            store = {"configured": True, "bucket": config.bucket, "endpoint": config.endpoint}
         return {"info": {
             "version": VERSION, "pid": os.getpid(), "stateDir": str(self.state_dir),
-            "store": {"configured": False, "reason": self._store_reason},
-            "cache": {"limitBytes": self._cache_limit},
+            "store": store,
+            "cache": {"limitBytes": stats.limit_bytes, "usedBytes": stats.used_bytes,
+                      "chunks": stats.chunks, "evictedChunks": stats.evicted_chunks},
             "ublk": ublk_status(),
         }}
 
@@ -237,8 +253,14 @@ class DiskService:
             if vmm == "firecracker":
                 pid = await _export.start(self.files.disk_dir(disk_id), disk.top,
                                           disk.top_format, owner)
-            disk = await self._keep(attrs.evolve(disk, state="started", vmm=vmm,
-                                                 owner_uid=owner, data_path_pid=pid))
+            started = attrs.evolve(disk, state="started", vmm=vmm, owner_uid=owner,
+                                   data_path_pid=pid)
+            try:
+                disk = await self._keep(started)
+            except FeosError:
+                if pid:  # not recorded: not left serving either
+                    await _export.stop(self.files.disk_dir(disk_id), pid)
+                raise
         return {"disk": self._answer(disk)}
 
     async def stop_disk(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -295,14 +317,65 @@ class DiskService:
         log.info("layer %s: baked of disk %s (%s)", digest, disk.id, image)
         return self.files.register(tmp, layer)
 
+    def _need_store(self) -> ObjectStore:
+        if self._store is None:
+            raise FeosError(Code.FAILED_PRECONDITION, NO_STORE + self._store_reason)
+        return self._store
+
     async def push(self, params: dict[str, Any]) -> dict[str, Any]:
-        raise FeosError(Code.FAILED_PRECONDITION, NO_STORE + self._store_reason)
+        """The layer and those beneath it, parents first, but the L0s: every node makes those
+        from the guest it has installed (a layer's digest names its guest's data.img.zst)."""
+        digest = check_digest(_text(params, "digest"))
+        store = self._need_store()
+        for below in reversed(stack(self.layers, digest)):
+            layer = self.layers[below]
+            if not layer.parent or layer.pushed:
+                continue
+            path = self.files.layer_path(below)
+            await trio.to_thread.run_sync(store.push_layer, path, _manifest(layer))
+            pushed = attrs.evolve(layer, pushed=True)
+            await trio.to_thread.run_sync(self.files.record_layer, pushed)
+            self.layers = {**self.layers, below: pushed}
+            log.info("layer %s: pushed", below)
+        return {"layer": self._layer_answer(self.layers[digest])}
 
     async def pull(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The layer and those beneath it that diskd lacks; an L0 from its guest's install."""
         digest = check_digest(_text(params, "digest"))
-        if digest in self.layers:
-            return {"layer": self._layer_answer(self.layers[digest])}
-        raise FeosError(Code.FAILED_PRECONDITION, NO_STORE + self._store_reason)
+        wanted = digest
+        while wanted and wanted not in self.layers:
+            store = self._need_store()
+            async with self._layers_lock:
+                if wanted not in self.layers:
+                    layer = await self._pull_one(store, wanted)
+                    self.layers = {**self.layers, wanted: layer}
+            wanted = self.layers[wanted].parent
+        return {"layer": self._layer_answer(self.layers[digest])}
+
+    async def _pull_one(self, store: ObjectStore, digest: str) -> Layer:
+        try:
+            manifest = await trio.to_thread.run_sync(
+                store.pull_layer, digest, self._cache, self.files.layers)
+        except FeosError as exc:
+            if exc.code is not Code.NOT_FOUND:
+                raise
+            return await self._guest_l0(digest, exc)
+        layer = Layer(digest, manifest.parent, manifest.format, manifest.size_bytes,
+                      manifest.virtual_bytes, guest=manifest.guest, image=manifest.image,
+                      pushed=True, created_unix_ns=manifest.created_unix_ns)
+        await trio.to_thread.run_sync(self.files.record_layer, layer)
+        log.info("layer %s: pulled", digest)
+        return layer
+
+    async def _guest_l0(self, digest: str, missing: FeosError) -> Layer:
+        """An L0 the store does not hold: the blank data volume of an installed guest, if one's
+        data.img.zst is it."""
+        for version in await trio.to_thread.run_sync(lambda: list(self._guests())):
+            blank = self._guest_dir / version / "data.img.zst"
+            if blank.exists() and await trio.to_thread.run_sync(sha256_file, blank) == digest:
+                return await trio.to_thread.run_sync(self._import, blank, version)
+        raise FeosError(Code.NOT_FOUND, f"{missing.message}, nor is it the blank data volume of "
+                        "a guest installed here")
 
     # -- collect -------------------------------------------------------------------------------
 
@@ -315,7 +388,15 @@ class DiskService:
                 freed += await trio.to_thread.run_sync(self.files.remove_layer, digest)
                 self.layers = {k: v for k, v in self.layers.items() if k != digest}
                 log.info("layer %s: collected", digest)
-        return {"layersRemoved": len(doomed), "chunksEvicted": 0, "bytesFreed": freed}
+            evicted, cache_freed = await trio.to_thread.run_sync(self._cache.evict)
+        return {"layersRemoved": len(doomed), "chunksEvicted": evicted,
+                "bytesFreed": freed + cache_freed}
+
+
+def _manifest(layer: Layer) -> LayerManifest:
+    return LayerManifest(digest=layer.digest, parent=layer.parent, size_bytes=layer.size_bytes,
+                         virtual_bytes=layer.virtual_bytes, guest=layer.guest, image=layer.image,
+                         format=layer.format, created_unix_ns=layer.created_unix_ns)
 
 
 def ublk_status() -> str:

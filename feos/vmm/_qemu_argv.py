@@ -150,7 +150,10 @@ def _machine(c: QemuConfig) -> list[str]:
 def _drive(index: int, d: Drive) -> list[str]:
     # cache=writeback: the host's page cache, and the guest's flushes honoured (a qcow2 top's
     # flush writes its tables and fdatasyncs it): what the guest flushed is on stable storage.
-    opts = f"id=drive{index},file={d.path},format={d.format},if=none,cache=writeback"
+    # werror/rerror=report: a full disk fails the guest's write with an I/O error (QEMU's
+    # default, enospc, would pause the whole microVM), and nothing it flushed before is lost.
+    opts = (f"id=drive{index},file={d.path},format={d.format},if=none,cache=writeback,"
+            "werror=report,rerror=report")
     if d.read_only:
         opts += ",read-only=on"
     elif d.discard:

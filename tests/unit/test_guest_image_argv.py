@@ -58,10 +58,11 @@ def test_drives_keep_their_order_serials_and_modes() -> None:
     drives = (Drive("/g/root.erofs", "root", read_only=True), Drive("/d/data", "data"),
               Drive("/d/v1", "vol1", discard=False))  # fmt: skip
     argv = qemu_argv(_config(drives=drives))
+    cache = "if=none,cache=writeback,werror=report,rerror=report"
     assert _pairs(argv, "-drive") == [
-        "id=drive0,file=/g/root.erofs,format=raw,if=none,cache=writeback,read-only=on",
-        "id=drive1,file=/d/data,format=raw,if=none,cache=writeback,discard=unmap",
-        "id=drive2,file=/d/v1,format=raw,if=none,cache=writeback",
+        f"id=drive0,file=/g/root.erofs,format=raw,{cache},read-only=on",
+        f"id=drive1,file=/d/data,format=raw,{cache},discard=unmap",
+        f"id=drive2,file=/d/v1,format=raw,{cache}",
     ]
     blk = [d for d in _pairs(argv, "-device") if d.startswith("virtio-blk-device")]
     assert blk == [f"virtio-blk-device,drive=drive{i},serial={s}"
@@ -166,3 +167,11 @@ def test_tsc_parsers_take_any_text(text: str) -> None:
     for parse in (tsc_khz_from_kmsg, tsc_khz_from_cpuinfo):
         khz = parse(text)
         assert khz is None or khz >= 0
+
+
+def test_a_diskd_top_is_opened_as_qcow2_and_other_formats_are_refused() -> None:
+    argv = qemu_argv(_config(drives=(Drive("data", "data", format="qcow2"),)))
+    assert _pairs(argv, "-drive")[0].startswith("id=drive0,file=data,format=qcow2,")
+    with pytest.raises(FeosError) as caught:
+        Drive("data", "data", format="vmdk")
+    assert caught.value.code is Code.INVALID_ARGUMENT
