@@ -555,3 +555,35 @@ def test_host_info_says_which_vmm_and_why(feosd_factory: Any, vmm: str) -> None:
     table = daemon.ctl("host", "info").stdout
     assert f"QEMU under {accel.upper()}" in table or answer.usable
     assert f"the pods' VMM: {'QEMU' if not answer.usable else ''}" in daemon.log_text()
+
+
+def test_firecracker_opens_diskds_fuse_export_as_its_own_user(
+        firecracker_root: Path, state_dir: Path, guest_dir: Path, shm_dir: Path, netns: str,
+        cgroup_parents: dict[str, Path], tmp_path: Path) -> None:
+    """The data disk is diskd's raw FUSE export of a qcow2 chain: the jail binds it into the
+    chroot and gives it to the microVM's user, and Firecracker, as that user, opens it."""
+    from diskd_proc import DiskdProc
+
+    with DiskdProc(tmp_path / "disk").start() as diskd:
+        diskd.call("createDisk", id="fcdisk", kind="pod", sizeBytes=8 << 20)
+        data = Path(diskd.call("startDisk", id="fcdisk", vmm="firecracker",
+                               ownerUid=0)["disk"]["path"])
+        driver = FirecrackerDriver(state_dir, cgroups=cg.V1Layout(bases=cgroup_parents),
+                                   netns=netns, tsc_khz=2596144)
+        volume = shm_dir / "volume3.img"
+        volume.write_bytes(b"\0" * 4096)
+        vm = _handle(driver, f"fcx-{secrets.token_hex(4)}", guest_dir, data, volume)
+        try:
+            trio.run(_boot, driver, vm)
+            root = driver.directory(vm.id)
+            record = driver.jail(vm.id).read()
+            assert record is not None
+            assert [x.how for x in record.links if x.name == "data"] == ["bind"]
+            assert data.stat().st_uid == record.uid  # through the bind: the FUSE file's owner
+            pid = int((root / "firecracker.pid").read_text())
+            opened = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            assert "/data" in opened  # inside its chroot: the bound export
+        finally:
+            trio.run(driver.delete, vm)
+        assert data.stat().st_uid == 0  # the jail gave it back
+        diskd.call("stopDisk", id="fcdisk")

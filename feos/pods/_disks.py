@@ -136,17 +136,17 @@ class PodDisks:
                 if exc.code is not Code.NOT_FOUND:
                     log.warning("disk %s was not stopped: %s", disk_id, exc.message)
 
-    async def delete(self, disk_id: str, plain: Path) -> None:
-        """The disk gone (a delete that comes again finds nothing), and its plain file if any."""
+    async def delete(self, disk_id: str, plain: Path, *, wait: bool = True) -> None:
+        """The disk gone (a delete that comes again finds nothing), and its plain file if any;
+        `wait` False: UNAVAILABLE at once if diskd does not answer (a caller holding a lock)."""
+        if self._diskd is not None:
+            try:
+                await self._diskd.call("deleteDisk", id=disk_id, wait=wait)
+            except FeosError as exc:
+                if exc.code is not Code.NOT_FOUND:
+                    raise
         if plain.exists():  # noqa: ASYNC240  (a stat)
             await trio.to_thread.run_sync(lambda: plain.unlink(missing_ok=True))
-        if self._diskd is None:
-            return
-        try:
-            await self._diskd.call("deleteDisk", id=disk_id)
-        except FeosError as exc:
-            if exc.code is not Code.NOT_FOUND:
-                raise
 
     async def adopt_plain_files(self, pods: Iterable[str], volumes: dict[str, Path]) -> None:
         """At feosd's start: the kept pods' and volumes' plain files taken over by diskd."""

@@ -136,7 +136,7 @@ class VolumeId:
 
 
 class DiskDeleter(Protocol):
-    async def delete(self, disk_id: str, plain: Path) -> None: ...
+    async def delete(self, disk_id: str, plain: Path, *, wait: bool = True) -> None: ...
 
 
 class VolumeService:
@@ -221,8 +221,8 @@ class VolumeService:
                     f"volume {volume_id} is {volume.state} to pod {volume.pod_id}",
                 )
             path = self.disk_path(volume_id)
-            if self.disks is not None:
-                await self.disks.delete(volume_id, path)
+            if self.disks is not None:  # under the volumes' lock: diskd is not waited for
+                await self.disks.delete(volume_id, path, wait=False)
             else:
                 await trio.to_thread.run_sync(lambda: path.unlink(missing_ok=True))
             await self.store.remove(volume_id)

@@ -299,10 +299,12 @@ def unlink_one(jail: Jail, record: JailRecord, name: str) -> None:
     """Undo one link of jail.json (and drop it from the record); nothing if there is none."""
     for link in [x for x in record.links if x.name == name]:
         target = jail.path(name)
+        if link.owner is not None and target.exists():
+            # a hard link shares the disk's inode; a bind reaches the file it binds (a FUSE
+            # export of diskd's takes the chown), so the owner goes back before the unmount
+            os.chown(target, *link.owner)
         if link.how == "bind":
             _run(["umount", str(target)], check=False)
-        elif link.owner is not None and target.exists():
-            os.chown(target, *link.owner)  # a hard link shares the disk's inode
         with contextlib.suppress(FileNotFoundError):
             target.unlink()
         record.links.remove(link)

@@ -217,6 +217,7 @@ class Node:
     vms: FakeVms
     volumes: FakeVolumes
     records: FakeRecords
+    diskd: FakeDiskd
 
     def state(self, pod_id: str) -> str:
         return str(self.records.kept[pod_id]["state"])
@@ -234,8 +235,9 @@ async def node(tmp_path: Path, monkeypatch: Any, *, records: FakeRecords | None 
     vms = vms or FakeVms()
     volumes = FakeVolumes()
     records = records or FakeRecords()
-    made = Node(PodService(tmp_path, vms, volumes, records=records, diskd=FakeDiskd()), vms,
-                volumes, records)
+    diskd = FakeDiskd()
+    made = Node(PodService(tmp_path, vms, volumes, records=records, diskd=diskd), vms, volumes,
+                records, diskd)
     made.pods.load()
     async with trio.open_nursery() as nursery:
         await nursery.start(made.pods.run)
