@@ -3,18 +3,21 @@
 The base of a new disk (the first layer for the newest guest that diskd has or fetches, else the
 blank data volume), each way the bake point does not bake, the bake's steps in order, each of its
 failures (the bring-up goes on, but for a volume that stays frozen), the push in the background
-and what it tells, and the pull token a pod on a baked layer does not hand on.
+and what it tells, the pull token a pod on a baked layer does not hand on, feosctl's --layer and --bake, and the
+pod service's record and event once a layer is in the object store.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 import attrs
 import pytest
 import trio
 import trio.testing
+from _podfakes import P1, node, running_pod
 
 from feos.cli._commands import UsageError
 from feos.cli._pods import image_layers
@@ -322,3 +325,30 @@ def test_feosctl_refuses_layers_for_two_containers() -> None:
     spec = {"containers": [{"name": "a", "image": IMAGE}, {"name": "b", "image": IMAGE}]}
     with pytest.raises(UsageError, match="need a pod of one container"):
         image_layers(argparse.Namespace(layer=[], bake=True), spec)
+
+
+# -- the pod service: a pushed layer in the record and the pod's event ---------------------------
+
+
+async def test_a_pushed_layer_is_recorded_and_told(tmp_path: Path, monkeypatch: Any) -> None:
+    async with node(tmp_path, monkeypatch) as made:
+        await running_pod(made)
+        watcher = made.pods.events.watch(P1)
+        pod = made.pods._pods[P1]
+        await made.pods._baked(pod, NEW)  # as the baker calls it once the push went through
+        await trio.testing.wait_all_tasks_blocked()  # the change ran
+        assert made.records.kept[P1]["baked"] == NEW
+        assert made.pods._pods[P1].baked == NEW
+        events = (await watcher.next({"max": 16}))["events"]
+        assert any(e["reason"] == f"baked {NEW} is in the object store" for e in events)
+
+
+async def test_a_pushed_layer_of_a_deleted_pod_writes_no_record(tmp_path: Path,
+                                                                monkeypatch: Any) -> None:
+    async with node(tmp_path, monkeypatch) as made:
+        await running_pod(made)
+        pod = made.pods._pods[P1]
+        await made.pods.delete_pod({"id": P1})
+        await made.pods._baked(pod, NEW)
+        await trio.testing.wait_all_tasks_blocked()
+        assert P1 not in made.records.kept
