@@ -36,6 +36,7 @@ The interface (module-scope it: `with PodNet(tmp_path_factory.mktemp(...), *feos
 - `net.kill_feosd()` (kill -9), `net.stop_feosd()` (SIGTERM; its exit code), `net.start_feosd()`
   (a new feosd on the same directories), `net.feosd` (integration/feosd_proc.Feosd);
 - `net.in_node(*argv)`, `net.in_inet(*argv)`: a command line run in either namespace;
+- `net.stop_registry()`: the registry ends (nothing can be pulled after it);
 - `IMAGE`, `BAD_USER_IMAGE`, `REGISTRY_V4`, `REGISTRY_NAME`, `PREFIX`, `IPV4_RANGE`.
 
 `close()` (also after a failure) kills feosd and every QEMU of its state directory (the
@@ -149,7 +150,8 @@ class PodNet:
             "version: 0.1\nlog: {level: error}\n"
             f"storage: {{filesystem: {{rootdirectory: {directory}/storage}}}}\n"
             f"http: {{addr: '{REGISTRY_V4}:{REGISTRY_PORT}'}}\n")
-        self._spawn(self.in_inet("docker-registry", "serve", str(config)), "registry.log")
+        self._registry_proc = self._spawn(self.in_inet("docker-registry", "serve", str(config)),
+                                          "registry.log")
         self._wait_port(REGISTRY_V4, REGISTRY_PORT)
         # The image is pushed from inside the namespace with the guest engineer's helpers.
         push = ("import sys; sys.path.insert(0, sys.argv[1]); "
@@ -160,6 +162,12 @@ class PodNet:
         self.image_digest = sh(*self.in_inet(sys.executable, "-c", push,
                                              str(REPO / "tests/unit"),
                                              f"{REGISTRY_V4}:{REGISTRY_PORT}")).strip()
+
+    def stop_registry(self) -> None:
+        """End the registry (a test that proves a pod pulls nothing); its data stays."""
+        end_group(self._registry_proc)
+        OWNER.forget(self._registry_proc)
+        self._procs.remove(self._registry_proc)
 
     def _dnsmasq(self) -> None:
         self._spawn(self.in_inet(

@@ -57,7 +57,7 @@ struct PodSpec {
 }
 
 struct ImageLayers {
-  # A baked image (not built yet: kept in the record, never compared with the spec).
+  # A baked image (ADR 0025): kept in the record, never compared with the spec.
   image @0 :Text;
   layers @1 :List(Text);
   mayBake @2 :Bool;
@@ -103,9 +103,10 @@ struct PodInfo {
   guestVersion @9 :Text;
   driver @10 :Text;              # qemu or firecracker
   imageLayers @11 :ImageLayers;
-  disk @12 :Text;                # what the pod's disk was made on
+  disk @12 :Text;                # what its disk was made on: "blank:<guest version>" or "layer:<digest>"
   step @13 :Text;                # the bring-up's step while pending: disk, vm, guest, volumes, containers
   generation @14 :UInt64;        # counts the pod's changes; a new pod of the same ID starts anew
+  baked @15 :Text;               # the layer baked of the pod's image, once it is in the object store
 }
 
 struct PodEvent {

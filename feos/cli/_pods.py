@@ -164,7 +164,7 @@ async def pod_create(client: Client, args: argparse.Namespace) -> Table:
     spec = spec_from_args(args)
     pod_id = id_from_file(args) or _new_pod_id()
     r = await client.call("pods", "createPod", id=pod_id, spec=spec,
-                          pullToken=args.pull_token or "")
+                          pullToken=args.pull_token or "", **image_layers(args, spec))
     pod = r.pod.to_dict()
     if args.wait:
         pod = await wait_settled(client, pod_id, args.json)
@@ -172,6 +172,17 @@ async def pod_create(client: Client, args: argparse.Namespace) -> Table:
             raise FeosError(Code.FAILED_PRECONDITION,
                             f"pod {pod_id} failed: {pod.get('reason', '')}")
     return Table(pod, POD_COLUMNS, [pod_row(pod)])
+
+
+def image_layers(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, Any]:
+    """createPod's imageLayers from --layer and --bake, for the image of the pod's one container."""
+    if not args.layer and not args.bake:
+        return {}
+    images = [c.get("image", "") for c in spec.get("containers", [])]
+    if len(images) != 1:
+        raise UsageError("--layer and --bake need a pod of one container")
+    return {"imageLayers": {"image": images[0], "layers": list(args.layer),
+                            "mayBake": bool(args.bake)}}
 
 
 async def pod_list(client: Client, args: argparse.Namespace) -> Table:
@@ -446,6 +457,11 @@ def register_pod(nouns: Any) -> None:
                         "no ADDRESS: every address of the node; an IPv4 or [IPv6] address "
                         "limits it; also network.pod.publish in a spec file)")
     p.add_argument("--pull-token", help="a Bearer token for the registry, for this bring-up only")
+    p.add_argument("--layer", action="append", default=[], metavar="DIGEST",
+                   help="a layer baked of the container's image to start the disk on, if diskd "
+                        "has or fetches it (repeatable, best first)")
+    p.add_argument("--bake", action="store_true",
+                   help="let the pod bake its image into a layer if its disk starts blank")
     p.add_argument("--wait", action="store_true", help="block until RUNNING or FAILED")
     _verb(verbs, "list", pod_list, "list the pods")
     _verb(verbs, "get", pod_get, "show a pod, with its containers' states").add_argument("id")

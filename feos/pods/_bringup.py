@@ -8,6 +8,7 @@ pod service records RUNNING or FAILED from its end.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -17,6 +18,7 @@ import trio
 
 from ..errors import Code, FeosError
 from ..vmm import VmInfo, VmSpec, VmState, guest_root, newest_guest
+from ._bake import Baker, choose_base, token_for
 from ._disks import DiskFile, PodDisks
 from ._netface import NetworkFace
 from ._pod import Pod
@@ -39,6 +41,7 @@ class BringUp:
         step: Callable[[Pod, str], None],
         keep: Callable[[Pod], Awaitable[None]],
         attach_s: float,
+        baker: Baker | None = None,
     ) -> None:
         self._state_dir = state_dir
         self._vms = vms
@@ -48,6 +51,7 @@ class BringUp:
         self._step = step
         self._keep = keep
         self.attach_s = attach_s
+        self._baker = baker or Baker(None, _nowhere)
 
     async def run(self, pod: Pod) -> None:
         """Every step, RUNNING left to the caller; FeosError naming what failed."""
@@ -57,6 +61,9 @@ class BringUp:
         # call, one of three on the containers' path). A bring-up cut off after the disk was
         # made finds it there next time and asks.
         vm_spec, fresh = await self._prepare(pod)
+        if fresh:
+            await self._keep(pod)  # what the disk was made on
+        token = token_for(pod, token)  # a disk on a baked layer has its image
         self._step(pod, "vm")
         info = await self._ensure_vm(pod, vm_spec)
         if info.state is not VmState.RUNNING:
@@ -65,6 +72,7 @@ class BringUp:
         guest = await self._attached(pod)
         self._step(pod, "volumes")
         await self._mount_volumes(pod, guest)
+        await self._baker.bake_point(pod, guest, token)
         self._step(pod, "containers")
         await self._start_containers(pod, guest, token, fresh=fresh)
 
@@ -83,7 +91,9 @@ class BringUp:
         else:
             _, guest_dir = newest_guest(guest_root())
         vmm = self._vms.driver_for(pod.id)
-        disk, fresh = await self._disks.pod(pod.id, guest_dir, pod.spec.disk_size_mib << 20, vmm)
+        choose = functools.partial(choose_base, self._baker.diskd, pod, guest_dir.name)
+        disk, fresh = await self._disks.pod(pod.id, guest_dir, pod.spec.disk_size_mib << 20, vmm,
+                                            choose)
         volume_disks: list[DiskFile] = []
         for volume_id in pod.spec.volume_ids():
             volume = self._volumes.store.get(volume_id)
@@ -164,6 +174,10 @@ class BringUp:
                 await guest.start_container(container.name)
             except FeosError as exc:
                 raise FeosError(exc.code, f"container {container.name}: {exc.message}") from None
+
+
+async def _nowhere(pod: Pod, digest: str) -> None:
+    raise AssertionError("a bring-up without diskd baked nothing")
 
 
 def container_config(pod: Pod, name: str, token: str) -> ContainerConfig:

@@ -18,7 +18,7 @@ stopped is logged and stopped by its next start's answer or its delete.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,6 +28,8 @@ import trio
 from ..errors import Code, FeosError
 
 log = logging.getLogger(__name__)
+
+Choose = Callable[[str], Awaitable[str]]  # the guest's L0 -> the layer a new pod disk is made on
 
 
 class DiskdPort(Protocol):
@@ -86,7 +88,7 @@ class PodDisks:
         return digest
 
     async def _ensure(self, disk_id: str, kind: str, plain: Path, size: int, base: str | None,
-                      guest_dir: Path | None) -> bool:
+                      guest_dir: Path | None, choose: Choose | None = None) -> bool:
         """The disk in diskd, made or taken over if it is not there; True if made now."""
         if await self._get(disk_id) is not None:
             return False
@@ -95,6 +97,8 @@ class PodDisks:
             return False
         if guest_dir is not None:
             base = await self._base(guest_dir)
+            if choose is not None:  # a layer baked of the pod's image instead (feos.pods._bake)
+                base = await choose(base)
         await self._need().call("createDisk", id=disk_id, kind=kind, sizeBytes=size,
                                 base=base or "")
         return True
@@ -105,11 +109,11 @@ class PodDisks:
         disk = (await self._need().call("startDisk", id=disk_id, vmm=vmm, ownerUid=0))["disk"]
         return DiskFile(disk["path"], disk["format"], tuple(disk.get("chain", ())))
 
-    async def pod(self, pod_id: str, guest_dir: Path, size_bytes: int, vmm: str
-                  ) -> tuple[DiskFile, bool]:
+    async def pod(self, pod_id: str, guest_dir: Path, size_bytes: int, vmm: str,
+                  choose: Choose | None = None) -> tuple[DiskFile, bool]:
         """The pod's disk started for `vmm`; and whether it was made now (no containers yet)."""
         made = await self._ensure(pod_id, "pod", pod_disk(self._state_dir, pod_id), size_bytes,
-                                  None, guest_dir)
+                                  None, guest_dir, choose)
         return await self._start(pod_id, vmm), made
 
     async def volume(self, volume_id: str, plain: Path, size_bytes: int, vmm: str) -> DiskFile:

@@ -34,6 +34,8 @@ class Pod:
     guest_version: str = ""
     driver: str = ""  # the VMM it booted with, as the microVM layer names it; kept across restarts
     image_layers: dict[str, Any] = attrs.field(factory=dict)
+    disk: str = ""  # what its disk was made on (feos.pods._bake: "blank:<guest>", "layer:<digest>")
+    baked: str = ""  # the layer baked of it, once it is in the object store
     generation: int = 0
     lock: trio.Lock = attrs.field(factory=trio.Lock)
     bringup: Change[None] | None = None  # the bring-up in flight, or the last one
@@ -46,7 +48,7 @@ class Pod:
             "ipv4Address": self.ipv4, "createdUnixNs": self.created_ns,
             "changedUnixNs": self.changed_ns, "guestVersion": self.guest_version,
             "driver": self.driver, "imageLayers": self.image_layers,
-            "generation": self.generation,
+            "disk": self.disk, "baked": self.baked, "generation": self.generation,
         }  # fmt: skip
 
     def answer(self, containers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -66,6 +68,7 @@ def from_record(data: dict[str, Any]) -> Pod:
         ipv4=data.get("ipv4Address", ""), created_ns=data.get("createdUnixNs", 0),
         changed_ns=data.get("changedUnixNs", 0), guest_version=data.get("guestVersion", ""),
         driver=data.get("driver", ""), image_layers=data.get("imageLayers", {}),
+        disk=data.get("disk", ""), baked=data.get("baked", ""),
         generation=data.get("generation", 0),
     )  # fmt: skip
 

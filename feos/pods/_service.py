@@ -35,6 +35,7 @@ from ..rpc import Cap
 from ..vmm import Crashed, Stopped, Suspended, VmEvent, VmInfo, VmState
 from . import _lifecycle as lc
 from ._api import CreatePod, ExecInPod, ListPods, PodLogs, PodRef, StartPod, WatchEvents, edge
+from ._bake import Baker
 from ._bringup import BringUp
 from ._changes import (
     CREATE_S,
@@ -96,8 +97,10 @@ class PodService:
         self._pods_lock = trio.Lock()
         self._changes = Changes()
         self.disks = PodDisks(state_dir, diskd)  # the volume service's too (feosd sets it)
+        self._baker = Baker(diskd, self._baked)
         self._bringup = BringUp(state_dir, vms, volumes, disks=self.disks, network=self._net,
-                                step=self._step, keep=self._keep, attach_s=attach_timeout)
+                                step=self._step, keep=self._keep, attach_s=attach_timeout,
+                                baker=self._baker)
         self.events = EventHub()
 
     # -- running ---------------------------------------------------------------------------
@@ -119,6 +122,7 @@ class PodService:
                   ) -> None:
         async with trio.open_nursery() as nursery:
             self._changes.open(nursery)
+            await nursery.start(self._baker.run)
             await self._reconcile_volumes()
             await self._give_addresses()
             for pod in list(self._pods.values()):
@@ -214,6 +218,16 @@ class PodService:
     async def _keep(self, pod: Pod) -> None:
         record = pod.record()
         await bounded_write(lambda: self._records.put(pod.id, record), f"pod {pod.id}'s record")
+
+    async def _baked(self, pod: Pod, digest: str) -> None:
+        """A layer baked of the pod is in the object store: its record and its watchers say so."""
+
+        async def record(pod: Pod) -> None:
+            pod.baked = digest
+            await self._keep(pod)
+            self.events.publish(pod.id, pod.state, reason=f"baked {digest} is in the object store")
+
+        self._changes.submit(self._new_change(pod, "baked", RECORD_S, record), node=True)
 
     def _step(self, pod: Pod, step: str) -> None:
         pod.step = step

@@ -57,9 +57,13 @@ def layer() -> bytes:
 
 
 def image_config(layer_digest: str) -> dict[str, Any]:
-    return {"architecture": "amd64", "os": "linux",
-            "config": {"Cmd": ["/bin/sh", "-c", SERVE], "WorkingDir": "/www",
-                       "ExposedPorts": {f"{DEMO_PORT}/tcp": {}}},
+    return oci_config({"Cmd": ["/bin/sh", "-c", SERVE], "WorkingDir": "/www",
+                       "ExposedPorts": {f"{DEMO_PORT}/tcp": {}}}, layer_digest)
+
+
+def oci_config(config: dict[str, Any], layer_digest: str) -> dict[str, Any]:
+    """An amd64 image's config of one uncompressed layer (its diff_id is its digest)."""
+    return {"architecture": "amd64", "os": "linux", "config": config,
             "rootfs": {"type": "layers", "diff_ids": [layer_digest]}}
 
 
@@ -72,34 +76,56 @@ def _blob(layout: Path, data: bytes) -> dict[str, Any]:
     return {"digest": digest, "size": len(data)}
 
 
-def write_layout(layout: Path) -> str:
-    """Write (or find written) the OCI layout of the demo image; its manifest's digest."""
-    data = layer()
-    lay = _blob(layout, data) | {"mediaType": "application/vnd.oci.image.layer.v1.tar"}
-    config = json.dumps(image_config(lay["digest"]), sort_keys=True).encode()
-    cfg = _blob(layout, config) | {"mediaType": "application/vnd.oci.image.config.v1+json"}
+def blob_file(layout: Path, path: Path) -> dict[str, Any]:
+    """A file (a large layer, written beside the layout) moved into the layout's blobs."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    digest = "sha256:" + sha.hexdigest()
+    size = path.stat().st_size
+    blob = layout / "blobs" / "sha256" / sha.hexdigest()
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    path.replace(blob)
+    return {"digest": digest, "size": size}
+
+
+def write_image(layout: Path, layer: dict[str, Any], config: dict[str, Any], tag: str) -> str:
+    """The OCI layout's index naming one image of `layer` (a blob's descriptor) and `config`
+    (an image config, oci_config's); the manifest's digest."""
+    lay = layer | {"mediaType": "application/vnd.oci.image.layer.v1.tar"}
+    cfg = _blob(layout, json.dumps(config, sort_keys=True).encode()) | {
+        "mediaType": "application/vnd.oci.image.config.v1+json"}
     manifest = json.dumps({"schemaVersion": 2, "mediaType": _MANIFEST, "config": cfg,
                            "layers": [lay]}, sort_keys=True).encode()
     man = _blob(layout, manifest) | {"mediaType": _MANIFEST,
-                                    "annotations": {"org.opencontainers.image.ref.name": TAG}}
+                                    "annotations": {"org.opencontainers.image.ref.name": tag}}
     (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
     (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [man]}))
     return str(man["digest"])
 
 
-def pushed_digest(registry: str) -> str | None:
-    """The digest the registry holds for the demo's tag (skopeo inspect), or None."""
+def write_layout(layout: Path) -> str:
+    """Write (or find written) the OCI layout of the demo image; its manifest's digest."""
+    lay = _blob(layout, layer())
+    return write_image(layout, lay, image_config(lay["digest"]), TAG)
+
+
+def pushed_digest(registry: str, repository: str = REPOSITORY, tag: str = TAG) -> str | None:
+    """The digest the registry holds for the tag (skopeo inspect), or None."""
     done = subprocess.run(["skopeo", "inspect", "--tls-verify=false", "--format", "{{.Digest}}",
-                           f"docker://{registry}/{REPOSITORY}:{TAG}"],
+                           f"docker://{registry}/{repository}:{tag}"],
                           capture_output=True, text=True, timeout=60)
     return done.stdout.strip() or None if done.returncode == 0 else None
 
 
-def push(layout: Path, registry: str) -> None:
-    subprocess.run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false",
-                    "--preserve-digests", f"oci:{layout}:{TAG}",
-                    f"docker://{registry}/{REPOSITORY}:{TAG}"],
-                   check=True, capture_output=True, text=True, timeout=300)
+def push(layout: Path, registry: str, repository: str = REPOSITORY, tag: str = TAG,
+         prefix: tuple[str, ...] = ()) -> None:
+    """skopeo copy of the layout's tag to the registry (`prefix`: as `ip netns exec NS`)."""
+    subprocess.run([*prefix, "skopeo", "copy", "--quiet", "--dest-tls-verify=false",
+                    "--preserve-digests", f"oci:{layout}:{tag}",
+                    f"docker://{registry}/{repository}:{tag}"],
+                   check=True, capture_output=True, text=True, timeout=600)
 
 
 def reference(registry: str) -> str:

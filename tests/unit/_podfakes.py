@@ -66,6 +66,16 @@ class FakeGuest:
     async def mount_volumes(self, volumes: list[Any]) -> list[Any]:
         return []
 
+    async def pull_image(self, reference: str, pull_token: str = "") -> tuple[str, bool]:
+        await self._holds.at("pull_image")
+        return "", False
+
+    async def freeze_filesystem(self) -> None:
+        await self._holds.at("freeze_filesystem")
+
+    async def thaw_filesystem(self) -> None:
+        await self._holds.at("thaw_filesystem")
+
 
 class FakeVms(Holds):
     def __init__(self) -> None:
