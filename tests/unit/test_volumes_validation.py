@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -21,6 +24,7 @@ from feos.pods._volumes import (
     check_size,
     check_volume_id,
 )
+from feos.rpc import capnp_thread
 
 
 @given(st.uuids())
@@ -126,3 +130,49 @@ async def test_claims_are_all_or_none(tmp_path: Path) -> None:
         await service.delete_volume({"id": a})
     finally:
         service.close()
+
+
+async def test_creates_on_the_capnp_thread_are_kept_and_answered_there(tmp_path: Path) -> None:
+    """As the API runs them: on the Cap'n Proto thread, the memory changed there, no trip to
+    trio; the same ID created at once is kept once, beside claims and deletes in trio."""
+    service = VolumeService(tmp_path)
+    service.load()
+    where: list[str] = []
+    answer = service.store._on_kept
+
+    def recorded(volume_id: str, reader: Any) -> None:
+        where.append(threading.current_thread().name)
+        answer(volume_id, reader)
+
+    service.store._on_kept = recorded
+    others = [str(uuid.uuid4()) for _ in range(5)]
+    try:
+        await service.create_volume({"id": others[0], "sizeBytes": 64 * MIB})  # in trio
+        async with capnp_thread() as bridge:
+
+            async def creates() -> list[Any]:
+                calls = [{"id": VOLUME_ID, "sizeBytes": 64 * MIB}] * 5
+                calls += [{"id": v, "sizeBytes": 64 * MIB} for v in others[1:]]
+                answers = await asyncio.gather(*(service.create_volume(c) for c in calls))
+                return [a["volume"].id for a in answers]
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(service.claim, "pod1", [others[0]])
+                created = await bridge.call(creates)
+            with pytest.raises(FeosError) as caught:
+                await bridge.call(service.create_volume, {"id": VOLUME_ID, "sizeBytes": 128 * MIB})
+            assert caught.value.code is Code.ALREADY_EXISTS
+        assert created == [VOLUME_ID] * 5 + others[1:]
+        assert sorted(v.id for v in service.store) == sorted([VOLUME_ID, *others])
+        assert service.store.get(others[0]).pod_id == "pod1"  # type: ignore[union-attr]
+        assert where.count("capnp") == 5  # VOLUME_ID once, and the other four
+        assert where.count("MainThread") == 2  # the create in trio and the claim
+        assert len(service.list_volumes({})["volumes"]) == 6
+    finally:
+        service.close()
+    reloaded = VolumeService(tmp_path)
+    reloaded.load()
+    try:
+        assert len(reloaded.list_volumes({})["volumes"]) == 6
+    finally:
+        reloaded.close()
