@@ -17,8 +17,8 @@ A trio caller waits for its acknowledgement shielded from cancellation (a change
 way to the disk is seen through); an asyncio caller that is cancelled stops waiting, and its
 change goes on all the same. Both waits are bounded: a change not kept `within` its bound
 (seconds) fails its caller with DEADLINE_EXCEEDED naming the record, and is skipped if the writer
-has not reached it yet. At start `load()` reads every record; one that fails to parse is reported by name and moved
-aside as `<id>.pb.broken-<time>`, not fatal.
+has not reached it yet. At start `load()` reads every record; one that fails to parse is reported
+by name and moved aside as `<id>.pb.broken-<time>`, not fatal.
 """
 
 from __future__ import annotations
