@@ -37,6 +37,7 @@ from typing import Any
 
 import trio
 
+from . import native
 from .errors import Code, FeosError
 
 log = logging.getLogger(__name__)
@@ -238,11 +239,18 @@ def _kept_all(changes: list[Change]) -> None:
 
 
 class _Writer:
-    """One thread that commits a directory's changes in groups, in the order they were queued."""
+    """One thread that commits a directory's changes in groups, in the order they were queued.
+
+    With the default fsync and feos._native built, a group's steps are one native call, made
+    without the GIL (feos.native.commit_group); otherwise (a test's instrumented fsync) they are
+    made here one by one, in the same order.
+    """
 
     def __init__(self, directory: Path, name: str, fsync: Fsync) -> None:
+        self._directory = directory
         self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._fsync = fsync
+        self._native = fsync is os.fsync and native.available()
         self._serial = itertools.count()
         self._queue: queue.SimpleQueue[Change | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -279,28 +287,63 @@ class _Writer:
             group.append(item)
 
     def _commit(self, group: list[Change]) -> None:
-        staged = [c for c in group if self._stage(c)]
+        live = [c for c in group if not self._given_up(c)]
+        for change in live:
+            if change.data is not None:
+                change.tmp = change.path.with_name(
+                    f".{change.path.name}.{next(self._serial)}.tmp"
+                )
+        applied = self._commit_native(live) if self._native else self._commit_python(live)
+        if applied:
+            _settle_kept(applied)
+
+    def _given_up(self, change: Change) -> bool:
+        if change.abandoned:
+            change.settle(FeosError(Code.DEADLINE_EXCEEDED, f"record {change.path}: given up"))
+        return change.abandoned
+
+    def _commit_native(self, changes: list[Change]) -> list[Change]:
+        """The group's steps in one call; the changes applied and their directory synced."""
+        errors, dir_error = native.commit_group(
+            self._dir_fd,
+            [("" if c.tmp is None else c.tmp.name, c.path.name, c.data) for c in changes],
+        )
+        applied = []
+        for change, error in zip(changes, errors, strict=True):
+            if error:
+                change.settle(OSError(error, os.strerror(error), str(change.path)))
+            else:
+                applied.append(change)
+        return self._settle_dir_error(applied, dir_error)
+
+    def _commit_python(self, changes: list[Change]) -> list[Change]:
+        staged = [c for c in changes if self._stage(c)]
         applied = [c for c in staged if self._apply(c)]
         if not applied:
-            return
+            return []
         try:
             self._fsync(self._dir_fd)
         except OSError as exc:
-            for change in applied:
-                change.settle(exc)
-            return
-        _settle_kept(applied)
+            return self._settle_dir_error(applied, exc.errno or 0, exc)
+        return applied
+
+    def _settle_dir_error(
+        self, applied: list[Change], error: int, exc: OSError | None = None
+    ) -> list[Change]:
+        """The changes whose directory was synced: all, or none (each told why)."""
+        if not error:
+            return applied
+        failure = exc or OSError(error, os.strerror(error), str(self._directory))
+        for change in applied:
+            change.settle(failure)
+        return []
 
     def _stage(self, change: Change) -> bool:
         """A put's temporary file, written and synced; False (and settled) if that failed."""
-        if change.abandoned:
-            change.settle(FeosError(Code.DEADLINE_EXCEEDED, f"record {change.path}: given up"))
-            return False
-        if change.data is None:
+        if change.tmp is None:
             return True
-        change.tmp = change.path.with_name(f".{change.path.name}.{next(self._serial)}.tmp")
         try:
-            _write_synced(change.tmp, change.data, self._fsync)
+            _write_synced(change.tmp, change.data or b"", self._fsync)
         except OSError as exc:
             change.tmp.unlink(missing_ok=True)
             change.settle(exc)

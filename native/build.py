@@ -14,6 +14,8 @@ Memory rule of the batch section: Python never hands the C side an address to ke
 one block that cffi allocates (ffi.new) and frees; every pointer into it is set by C, to memory
 inside the same block; what Python gives a call (the bytes of an answer) is copied before the
 call returns; every index and length Python passes is checked against the block's bounds.
+The records' section reads what Python hands it (names, the records' bytes) during the call
+only, and keeps nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ HEADERS = """
 #include <sys/file.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <stdio.h>   /* renameat */
+#include <unistd.h>
 #include <netinet/in.h>
 #include <linux/falloc.h>
 """
@@ -267,9 +271,83 @@ static int feos_batch_send(struct feos_batch *b)
 }}
 """
 
+# --- records: a group commit in one call (feos/records.py) -----------------------------------
+
+RECORDS_CDEF = """
+int feos_commit_group(int dir_fd, int n, char **tmps, char **names, char **datas,
+                      const int64_t *lens, int *errs);
+"""
+
+RECORDS_SOURCE = """
+/* Write len bytes to a new file tmp in dir_fd, fsync and close it: 0, or the errno of the step
+   that failed (then the file is removed). */
+static int feos_write_synced(int dir_fd, const char *tmp, const char *data, int64_t len)
+{
+    int64_t done = 0;
+    int err, fd = openat(dir_fd, tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return errno;
+    while (done < len) {
+        ssize_t wrote = write(fd, data + done, (size_t)(len - done));
+        if (wrote < 0 && errno == EINTR)
+            continue;
+        if (wrote < 0)
+            goto failed;
+        done += wrote;
+    }
+    if (fsync(fd) != 0)
+        goto failed;
+    if (close(fd) == 0)
+        return 0;
+    err = errno;
+    unlinkat(dir_fd, tmp, 0);
+    return err;
+failed:
+    err = errno;
+    close(fd);
+    unlinkat(dir_fd, tmp, 0);
+    return err;
+}
+
+/* The records' group commit, in one call (made without the GIL): change i is a put of lens[i]
+   bytes at datas[i] (lens[i] >= 0) through the temporary file tmps[i], or a removal
+   (lens[i] < 0); names are relative to dir_fd. First each put's file is written and synced, in
+   order; then, in order, each put whose file was made is renamed over names[i] and each
+   removal unlinks names[i] (one that is not there is no failure); then, if any change was
+   applied, the directory is synced once. errs[i] is 0, or the errno of change i's failed step
+   (its temporary file removed). Returns 0, or the errno of the directory's sync. */
+static int feos_commit_group(int dir_fd, int n, char **tmps, char **names, char **datas,
+                             const int64_t *lens, int *errs)
+{
+    int i, applied = 0;
+    for (i = 0; i < n; i++)
+        errs[i] = lens[i] < 0 ? 0 : feos_write_synced(dir_fd, tmps[i], datas[i], lens[i]);
+    for (i = 0; i < n; i++) {
+        if (errs[i] != 0)
+            continue;
+        if (lens[i] < 0) {
+            if (unlinkat(dir_fd, names[i], 0) != 0 && errno != ENOENT) {
+                errs[i] = errno;
+                continue;
+            }
+        } else if (renameat(dir_fd, tmps[i], dir_fd, names[i]) != 0) {
+            errs[i] = errno;
+            unlinkat(dir_fd, tmps[i], 0);
+            continue;
+        }
+        applied++;
+    }
+    if (applied > 0 && fsync(dir_fd) != 0)
+        return errno;
+    return 0;
+}
+"""
+
 # --- sections to come: ublk (the disk service), userfaultfd (hibernation) ---------------------
 
-SECTIONS = [(PROCESS_CDEF, PROCESS_SOURCE), (BATCH_CDEF, BATCH_SOURCE)]
+SECTIONS = [
+    (PROCESS_CDEF, PROCESS_SOURCE), (BATCH_CDEF, BATCH_SOURCE), (RECORDS_CDEF, RECORDS_SOURCE)
+]
 
 ffibuilder = FFI()
 ffibuilder.cdef("\n".join(cdef for cdef, _ in SECTIONS))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -19,7 +21,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feos import _schema
+from feos import _schema, native
 from feos._store import Store
 from feos.errors import Code, FeosError
 from feos.records import RecordDir, is_directory_fd, write_whole
@@ -386,3 +388,55 @@ def test_a_change_from_asyncio_not_kept_in_time_fails_and_its_cancelled_caller_s
     assert cancelled
     assert store.get("stuck") == "stuck"
     assert set(records.load()) == {"stuck"}  # the writer skipped what its caller gave up
+
+
+TRACED = """
+import sys, trio
+from pathlib import Path
+from feos import _schema
+from feos.records import RecordDir
+
+async def main():
+    records = RecordDir(Path(sys.argv[1]), _schema.volume().Volume)
+    async def one(n):
+        await records.put(f"v{n}", {"id": f"v{n}"})
+        print(f"acked v{n}", flush=True)
+    async with trio.open_nursery() as nursery:
+        for n in range(8):  # at once, so that groups form
+            nursery.start_soon(one, n)
+    records.close()
+trio.run(main)
+"""
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
+@pytest.mark.skipif(not native.available(), reason="feos._native is not built")
+def test_the_native_group_commit_syncs_the_file_then_renames_then_syncs_the_directory(
+    tmp_path: Path,
+) -> None:
+    """The default writer's steps, as the kernel sees them: each record's temporary file synced,
+    then renamed over the record, then the directory synced, and only then the caller told."""
+    trace = tmp_path / "trace"
+    records = tmp_path / "records"
+    subprocess.run(
+        ["strace", "-f", "-y", "-o", str(trace), "-e", "trace=fsync,rename,renameat,renameat2,write",
+         sys.executable, "-c", TRACED, str(records)],
+        check=True, stdout=subprocess.DEVNULL, timeout=120,
+    )  # fmt: skip
+    lines = trace.read_text().splitlines()
+
+    def first(pattern: str) -> int:
+        found = [i for i, line in enumerate(lines) if re.search(pattern, line)]
+        assert found, f"no {pattern!r} in the trace"
+        return found[0]
+
+    for n in range(8):
+        synced = first(rf"fsync\(\d+<{records}/\.v{n}\.pb\.\d+\.tmp>\)")
+        # renameat in the directory: the native call's (Python's own would rename by path)
+        renamed = first(rf'renameat\(\d+<{records}>, "\.v{n}\.pb\.\d+\.tmp", \d+<{records}>, "v{n}\.pb"')
+        acked = first(rf'write\(1<[^>]*>, "acked v{n}"')
+        dir_synced = [
+            i for i, line in enumerate(lines)
+            if re.search(rf"fsync\(\d+<{records}>\)", line) and renamed < i < acked
+        ]  # fmt: skip
+        assert synced < renamed < acked and dir_synced, f"v{n}: {lines[synced:acked + 1]}"
