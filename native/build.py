@@ -279,49 +279,76 @@ int feos_commit_group(int dir_fd, int n, char **tmps, char **names, char **datas
 """
 
 RECORDS_SOURCE = """
-/* Write len bytes to a new file tmp in dir_fd, fsync and close it: 0, or the errno of the step
-   that failed (then the file is removed). */
-static int feos_write_synced(int dir_fd, const char *tmp, const char *data, int64_t len)
+#define FEOS_COMMIT_CHUNK 64  /* temporary files open at once */
+
+static int feos_dropped(int dir_fd, const char *tmp, int fd, int err)
 {
-    int64_t done = 0;
-    int err, fd = openat(dir_fd, tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (fd < 0)
-        return errno;
-    while (done < len) {
-        ssize_t wrote = write(fd, data + done, (size_t)(len - done));
-        if (wrote < 0 && errno == EINTR)
-            continue;
-        if (wrote < 0)
-            goto failed;
-        done += wrote;
-    }
-    if (fsync(fd) != 0)
-        goto failed;
-    if (close(fd) == 0)
-        return 0;
-    err = errno;
-    unlinkat(dir_fd, tmp, 0);
-    return err;
-failed:
-    err = errno;
-    close(fd);
+    if (fd >= 0)
+        close(fd);
     unlinkat(dir_fd, tmp, 0);
     return err;
 }
 
+/* A put's first step: its temporary file made, written, and its write-back started (so that a
+   group's files go to the disk together). The open file, or -1 with *err set (file removed). */
+static int feos_write_started(int dir_fd, const char *tmp, const char *data, int64_t len,
+                              int *err)
+{
+    int64_t done = 0;
+    int fd = openat(dir_fd, tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        *err = errno;
+        return -1;
+    }
+    while (done < len) {
+        ssize_t wrote = write(fd, data + done, (size_t)(len - done));
+        if (wrote < 0 && errno == EINTR)
+            continue;
+        if (wrote < 0) {
+            *err = feos_dropped(dir_fd, tmp, fd, errno);
+            return -1;
+        }
+        done += wrote;
+    }
+    (void)sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);  /* a start only: fsync decides */
+    *err = 0;
+    return fd;
+}
+
+/* A put's second step: the file synced and closed. 0, or the errno (file removed). */
+static int feos_synced(int dir_fd, const char *tmp, int fd)
+{
+    if (fsync(fd) != 0)
+        return feos_dropped(dir_fd, tmp, fd, errno);
+    if (close(fd) != 0)
+        return feos_dropped(dir_fd, tmp, -1, errno);
+    return 0;
+}
+
 /* The records' group commit, in one call (made without the GIL): change i is a put of lens[i]
    bytes at datas[i] (lens[i] >= 0) through the temporary file tmps[i], or a removal
-   (lens[i] < 0); names are relative to dir_fd. First each put's file is written and synced, in
-   order; then, in order, each put whose file was made is renamed over names[i] and each
-   removal unlinks names[i] (one that is not there is no failure); then, if any change was
-   applied, the directory is synced once. errs[i] is 0, or the errno of change i's failed step
-   (its temporary file removed). Returns 0, or the errno of the directory's sync. */
+   (lens[i] < 0); names are relative to dir_fd. First each put's file is written (the write-back
+   of up to FEOS_COMMIT_CHUNK of them started at once) and synced, in order; then, in order, each
+   put whose file was made is renamed over names[i] and each removal unlinks names[i] (one that
+   is not there is no failure); then, if any change was applied, the directory is synced once.
+   errs[i] is 0, or the errno of change i's failed step (its temporary file removed). Returns 0,
+   or the errno of the directory's sync. */
 static int feos_commit_group(int dir_fd, int n, char **tmps, char **names, char **datas,
                              const int64_t *lens, int *errs)
 {
-    int i, applied = 0;
-    for (i = 0; i < n; i++)
-        errs[i] = lens[i] < 0 ? 0 : feos_write_synced(dir_fd, tmps[i], datas[i], lens[i]);
+    int fds[FEOS_COMMIT_CHUNK];
+    int i, first, applied = 0;
+    for (first = 0; first < n; first += FEOS_COMMIT_CHUNK) {
+        int last = n - first > FEOS_COMMIT_CHUNK ? first + FEOS_COMMIT_CHUNK : n;
+        for (i = first; i < last; i++) {
+            errs[i] = 0;
+            fds[i - first] = lens[i] < 0 ? -1
+                : feos_write_started(dir_fd, tmps[i], datas[i], lens[i], &errs[i]);
+        }
+        for (i = first; i < last; i++)
+            if (fds[i - first] >= 0)
+                errs[i] = feos_synced(dir_fd, tmps[i], fds[i - first]);
+    }
     for (i = 0; i < n; i++) {
         if (errs[i] != 0)
             continue;
@@ -331,8 +358,7 @@ static int feos_commit_group(int dir_fd, int n, char **tmps, char **names, char 
                 continue;
             }
         } else if (renameat(dir_fd, tmps[i], dir_fd, names[i]) != 0) {
-            errs[i] = errno;
-            unlinkat(dir_fd, tmps[i], 0);
+            errs[i] = feos_dropped(dir_fd, tmps[i], -1, errno);
             continue;
         }
         applied++;

@@ -286,3 +286,17 @@ def test_a_group_commit_on_a_closed_directory_fails_every_change() -> None:
     errors, dir_error = native.commit_group(dir_fd, [(".x.tmp", "x.pb", b"x"), ("", "y.pb", None)])
     assert errors == [errno.EBADF, errno.EBADF]
     assert dir_error == 0  # nothing was applied: nothing to sync
+
+
+def test_a_group_commit_larger_than_the_files_it_opens_at_once(tmp_path: Path) -> None:
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        changes = [(f".r{i}.tmp", f"r{i}.pb", str(i).encode()) for i in range(150)]
+        changes[100] = (".r100.tmp", "r99.pb", b"again")  # a later put of a record wins
+        errors, dir_error = native.commit_group(dir_fd, changes)
+    finally:
+        os.close(dir_fd)
+    assert errors == [0] * 150 and dir_error == 0
+    assert len(list(tmp_path.iterdir())) == 149
+    assert (tmp_path / "r99.pb").read_bytes() == b"again"
+    assert (tmp_path / "r149.pb").read_bytes() == b"149"
