@@ -258,8 +258,12 @@ class _Writer:
     def submit(self, change: Change) -> None:
         self._queue.put(change)
 
-    def close(self) -> None:
+    def close(self, within: float) -> None:
+        """End the thread once what is queued is kept, waiting for that (within `within` s): a
+        change whose caller went (a create cut by feosd's stop) lands before the process ends."""
         self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(within)
 
     def _loop(self) -> None:
         try:
@@ -427,5 +431,6 @@ class RecordDir:
             stale.unlink(missing_ok=True)
         return found
 
-    def close(self) -> None:
-        self._writer.close()
+    def close(self, *, within: float = WRITE_TIMEOUT) -> None:
+        """Stop the writer, once the changes queued are kept (waits for them, bounded)."""
+        self._writer.close(within)

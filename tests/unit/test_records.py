@@ -440,3 +440,25 @@ def test_the_native_group_commit_syncs_the_file_then_renames_then_syncs_the_dire
             if re.search(rf"fsync\(\d+<{records}>\)", line) and renamed < i < acked
         ]  # fmt: skip
         assert synced < renamed < acked and dir_synced, f"v{n}: {lines[synced:acked + 1]}"
+
+
+def test_close_waits_for_a_change_whose_caller_went(tmp_path: Path) -> None:
+    disk = _Disk()
+    records = RecordDir(tmp_path, _schema.volume().Volume, fsync=disk.fsync)
+
+    async def main() -> None:
+        disk.entered.clear()
+        disk.hold.clear()
+        records.submit_put("a", {"id": "a"}, lambda _r: None)  # nobody waits: the loop ends
+        await asyncio.to_thread(disk.entered.wait)
+
+    try:
+        _on_asyncio(main)
+        release = threading.Timer(0.2, disk.hold.set)  # the disk answers after close is called
+        release.start()
+        records.close()
+        release.join()
+    finally:
+        disk.hold.set()
+    assert (tmp_path / "a.pb").exists()
+    assert records.load().keys() == {"a"}
