@@ -2,11 +2,13 @@
 
 Theory of operation: a `RecordDir` is a directory of `<id>.pb` files, each one message of one
 struct type. A change (a put or a removal) is encoded on the caller's thread and queued to the
-directory's one writer thread, which commits in groups: it takes every change queued, writes and
-fsyncs each put's temporary file, then, in queue order, renames each over its record or unlinks
-the removed one, and fsyncs the directory ONCE for the group. Only then is each change
-acknowledged. A crash at any point leaves each record old or new, never torn, and nothing that
-was acknowledged is lost; the changes of one record land in the order they were queued.
+directory's one writer thread, which commits in groups: it takes every change queued, writes
+each put's temporary file (their write-back started together) and fsyncs each, then, in queue
+order, renames each over its record or unlinks the removed one, and fsyncs the directory ONCE for
+the group. Only then is each change acknowledged. The group's steps are one native call without
+the GIL (feos.native.commit_group); a test's instrumented fsync has them made here in Python.
+A crash at any point leaves each record old or new, never torn, and nothing that was
+acknowledged is lost; the changes of one record land in the order they were queued.
 
 A change is queued from a trio run or from an asyncio loop (the Cap'n Proto thread's, where the
 API's creates run without a trip to trio): its home. The writer hands a group's outcome to each
