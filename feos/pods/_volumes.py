@@ -143,10 +143,11 @@ def _exists_otherwise(volume_id: str) -> FeosError:
 
 
 class VolumeService:
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, records: RecordDir | None = None) -> None:
         self.directory = state_dir / "volumes"
         self.store: Store[Volume] = Store(
-            RecordDir(self.directory, _schema.volume().Volume, thread_name="volume-records"),
+            records
+            or RecordDir(self.directory, _schema.volume().Volume, thread_name="volume-records"),
             Volume.to_dict,
             Volume.from_dict,
             self._answer,

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import threading
 import uuid
 from pathlib import Path
 from typing import Any
 
+import capnp
 import pytest
 import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from feos import _schema
 from feos._codec import structure_params
 from feos.errors import Code, FeosError
 from feos.pods._volumes import (
@@ -24,7 +28,8 @@ from feos.pods._volumes import (
     check_size,
     check_volume_id,
 )
-from feos.rpc import capnp_thread
+from feos.records import RecordDir, is_directory_fd
+from feos.rpc import capnp_thread, serve
 
 
 @given(st.uuids())
@@ -176,3 +181,75 @@ async def test_creates_on_the_capnp_thread_are_kept_and_answered_there(tmp_path:
         assert len(reloaded.list_volumes({})["volumes"]) == 6
     finally:
         reloaded.close()
+
+
+async def test_ten_connections_creating_at_once_share_the_directory_sync(tmp_path: Path) -> None:
+    """Through the API server, as feosctl calls it: ten connections' creates queued while the
+    writer syncs an eleventh are one group, with one directory sync; the server serializes
+    nothing."""
+    syncs: list[str] = []
+    hold, entered = threading.Event(), threading.Event()
+    hold.set()
+
+    def fsync(fd: int) -> None:
+        entered.set()
+        hold.wait()
+        syncs.append("dir" if is_directory_fd(fd) else "file")
+        os.fsync(fd)
+
+    records = RecordDir(tmp_path / "volumes", _schema.volume().Volume, fsync=fsync)
+    service = VolumeService(tmp_path, records)
+    service.load()
+    ids = [str(uuid.uuid4()) for _ in range(11)]
+    try:
+        async with capnp_thread() as bridge:
+
+            async def creates() -> list[str]:
+                pairs = [socket.socketpair() for _ in range(11)]
+                conns = []
+                for a, b in pairs:
+                    server = capnp.TwoPartyServer(
+                        await capnp.AsyncIoStream.create_connection(sock=a),
+                        bootstrap=serve(_schema.volume().VolumeService, service, bridge))
+                    client = capnp.TwoPartyClient(
+                        await capnp.AsyncIoStream.create_connection(sock=b))
+                    conns.append((server, client, client.bootstrap().cast_as(
+                        _schema.volume().VolumeService)))  # fmt: skip
+                all_queued, submit_put, queued = asyncio.Event(), records.submit_put, []
+
+                def counted(*args: Any) -> Any:
+                    queued.append(submit_put(*args))
+                    if len(queued) == 11:
+                        all_queued.set()
+                    return queued[-1]
+
+                records.submit_put = counted  # type: ignore[method-assign]
+                try:
+                    entered.clear()
+                    hold.clear()
+                    first = asyncio.ensure_future(conns[0][2].createVolume(ids[0], 64 * MIB))
+                    await asyncio.to_thread(entered.wait)  # the writer is in the first's sync
+                    rest = [
+                        asyncio.ensure_future(c.createVolume(i, 64 * MIB))
+                        for (_, _, c), i in zip(conns[1:], ids[1:], strict=True)
+                    ]
+                    await asyncio.wait_for(all_queued.wait(), 30)  # the ten are queued
+                    hold.set()
+                    answers = await asyncio.gather(first, *rest)
+                    return [str(a.status.code) + " " + a.volume.id for a in answers]
+                finally:
+                    hold.set()
+                    for server, client, _ in conns:
+                        client.close()
+                        server.close()
+                    for a, b in pairs:
+                        a.close()
+                        b.close()
+
+            answered = await bridge.call(creates)
+        assert answered == [f"ok {i}" for i in ids]
+        assert syncs.count("file") == 11
+        assert syncs.count("dir") == 2  # the first's, and one for the ten behind it
+    finally:
+        hold.set()
+        service.close()
