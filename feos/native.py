@@ -114,6 +114,12 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
 # --- records -------------------------------------------------------------------------------
 
 
+def can_commit_groups() -> bool:
+    """Whether the module built has the group commit (a build older than it has not: then the
+    records' writer makes the same steps in Python, until `python native/build.py` runs)."""
+    return _native is not None and hasattr(_native.lib, "feos_commit_group")
+
+
 def commit_group(
     dir_fd: int, changes: Sequence[tuple[str, str, bytes | None]]
 ) -> tuple[list[int], int]:

@@ -251,7 +251,7 @@ class _Writer:
         self._directory = directory
         self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._fsync = fsync
-        self._native = fsync is os.fsync and native.available()
+        self._native = fsync is os.fsync and native.can_commit_groups()
         self._serial = itertools.count()
         self._queue: queue.SimpleQueue[Change | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
