@@ -10,10 +10,17 @@ beside one: group commit lets their records share the directory's sync.
 feosd and the temporary directory are removed on any exit, SIGTERM and SIGINT included; a
 SIGKILL of the bench still ends feosd (its parent-death signal), leaving only the directory.
 
-Where a record's time goes (measured with this bench's feosd): the disk's write, fsync, rename
-and directory fsync are the raw figure (about 0.3 ms here); a call through the API that writes
-nothing costs about as much again (the Cap'n Proto thread, the crossing to trio and back), so
-one client's ratio is bounded well under 1 whatever the records do; the rest is CPU in feosd.
+Where a record's time goes (one client, medians of timestamps taken across feosd's threads and
+the client on this machine): the client's send to the handler's start 0.2-0.25 ms and the
+handler's end to the client's receipt 0.2-0.25 ms (pycapnp on both sides: bench/api.py's echo,
+0.35-0.4 ms a round trip, is the same cost); the handler's work on the Cap'n Proto thread before
+the record is queued about 0.1 ms, the writer's wake-up 0.05 ms, the disk's write, fsync, rename
+and directory fsync what the raw figure shows (0.6-1.2 ms here, with the neighbours' load), the
+answer back on the Cap'n Proto thread 0.1 ms. So one client's ratio is bounded by
+raw / (raw + about 0.6 ms): about 0.5-0.65 on this machine, whatever the records do, as long as
+the API's round trip costs what pycapnp's echo does. Ten clients are bounded by the writer: each
+record of a group still costs its own file's fsync (the directory's is shared, and the files'
+write-back starts together).
 """
 
 from __future__ import annotations

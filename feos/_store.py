@@ -1,14 +1,17 @@
 """A kept collection: values in memory, each also a record file, one change at a time.
 
 A change is seen once it is kept: `put` and `remove` queue the record's change to the records'
-writer and change the memory when the writer says it is on disk (on the trio thread, in the order
-the changes were kept), and only then return. Callers take the store's `lock` when their change
-depends on what is there; readers never take it.
+writer and change the memory when the writer says it is on disk (on the thread that asked for the
+change, in the order the changes were kept), and only then return. Callers in trio take the
+store's `lock` when their change depends on what is there; readers never take it.
 
-A change that need not hold the lock while its record is written (a create, whose check is done
-once the new value is staged) calls `stage` under the lock and awaits `kept` after letting go of
-it: concurrent creates then share the writer's group commits. `latest` sees staged values too,
-so that a second create of the same ID finds the first and waits for it rather than writing again.
+A create need not hold any lock while its record is written: it calls `stage` and awaits `kept`,
+and concurrent creates share the writer's group commits. `pending` sees a staged put not yet
+settled, so that a second create of the same ID finds the first and waits for it rather than
+writing again. A service may run its creates on the Cap'n Proto thread (feos.pods' volumes do:
+no trip to trio and back) while its other changes run in trio: the memory is then changed from
+two threads, each short step whole under a mutex; the service keeps apart what the two do (a
+create only adds what is not there; trio's changes touch only what is).
 
 Every wait for a record is bounded (`within`, seconds): one not kept in time fails its caller
 with DEADLINE_EXCEEDED naming the record, and the memory stays as the disk has it.
@@ -17,6 +20,7 @@ with DEADLINE_EXCEEDED naming the record, and the memory stays as the disk has i
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -56,6 +60,7 @@ class Store(Generic[T]):
         self._on_kept = on_kept
         self._items: dict[str, T] = {}
         self._staged: dict[str, Staged[T]] = {}
+        self._mutex = threading.Lock()  # the memory's steps, whole, whichever thread runs them
         self.lock = trio.Lock()
 
     def load(self) -> None:
@@ -71,13 +76,14 @@ class Store(Generic[T]):
     def get(self, record_id: str) -> T | None:
         return self._items.get(record_id)
 
-    def latest(self, record_id: str) -> Staged[T] | T | None:
-        """What a change under the lock must reckon with: a staged put, else the kept value."""
-        staged = self._staged.get(record_id)
-        if staged is not None and staged.change.kept.is_set():  # kept (then gone) or failed
-            del self._staged[record_id]
-            staged = None
-        return staged or self._items.get(record_id)
+    def pending(self, record_id: str) -> Staged[T] | None:
+        """The put staged for the record and not yet settled (kept or failed), if any."""
+        with self._mutex:
+            staged = self._staged.get(record_id)
+            if staged is not None and staged.change.done:  # kept (then gone) or failed
+                del self._staged[record_id]
+                return None
+            return staged
 
     def __contains__(self, record_id: str) -> bool:
         return record_id in self._items
@@ -92,17 +98,19 @@ class Store(Generic[T]):
         return list(self._items.items())
 
     def stage(self, record_id: str, value: T) -> Staged[T]:
-        """Queue value's record (under `lock`); `kept` waits for it."""
+        """Queue value's record; `kept` waits for it (on the thread that called this)."""
 
         def kept(reader: Any) -> None:
-            self._items[record_id] = value
-            if self._staged.get(record_id) is staged:
-                del self._staged[record_id]
+            with self._mutex:
+                self._items[record_id] = value
+                if self._staged.get(record_id) is staged:
+                    del self._staged[record_id]
             self._on_kept(record_id, reader)
 
         change = self._records.submit_put(record_id, self._to_record(value), kept)
         staged = Staged(record_id, value, change)
-        self._staged[record_id] = staged
+        with self._mutex:  # kept() runs later on this same thread: it finds the entry
+            self._staged[record_id] = staged
         return staged
 
     async def kept(self, staged: Staged[T], *, within: float = WRITE_TIMEOUT) -> None:
@@ -115,7 +123,8 @@ class Store(Generic[T]):
 
     async def remove(self, record_id: str, *, within: float = WRITE_TIMEOUT) -> None:
         def kept() -> None:
-            self._items.pop(record_id, None)
+            with self._mutex:
+                self._items.pop(record_id, None)
             self._on_kept(record_id, None)
 
         await self._records.submit_remove(record_id, kept).wait(within)

@@ -1,9 +1,11 @@
 """The typed face of feos._native, feosd's one compiled module (built from native/build.py).
 
 What feosd asks of the kernel beyond Python's standard library: flock, setns, the subreaper bit,
-hole punching, and datagrams by the batch (recvmmsg/sendmmsg). Every call's failure becomes
-OSError in one place (`_check`), with errno and the call's name. Nothing else imports
-feos._native; the in-guest agent never needs it (it imports nothing of this module).
+hole punching, datagrams by the batch (recvmmsg/sendmmsg), and the records' group commit (a
+group's steps in one call without the GIL: a writer thread that took the GIL back after each of
+a record's six system calls waited behind the Cap'n Proto thread each time). Every call's
+failure becomes OSError in one place (`_check`), with errno and the call's name. Nothing else
+imports feos._native; the in-guest agent never needs it (it imports nothing of this module).
 
 Memory: the C side keeps no address Python gave it. A DatagramBatch is one block that cffi
 allocates and frees with the object; its headers point only into that block (native/build.py);
@@ -22,6 +24,7 @@ import errno
 import os
 import socket
 import struct
+from collections.abc import Sequence
 from typing import Any, Literal
 
 try:
@@ -106,6 +109,43 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
     lib = _lib()
     mode = lib.FALLOC_FL_PUNCH_HOLE | lib.FALLOC_FL_KEEP_SIZE
     _check(lib.feos_fallocate(fd, mode, offset, length), "fallocate(PUNCH_HOLE)")
+
+
+# --- records -------------------------------------------------------------------------------
+
+
+def can_commit_groups() -> bool:
+    """Whether the module built has the group commit (a build older than it has not: then the
+    records' writer makes the same steps in Python, until `python native/build.py` runs)."""
+    return _native is not None and hasattr(_native.lib, "feos_commit_group")
+
+
+def commit_group(
+    dir_fd: int, changes: Sequence[tuple[str, str, bytes | None]]
+) -> tuple[list[int], int]:
+    """The records' group commit in one call, made without the GIL (native/build.py says each
+    step): each change is (temporary name, record name, bytes), or (_, record name, None) for a
+    removal, the names in the directory dir_fd. The errno of each change's failed step (0: it
+    was applied) and that of the directory's sync (0: synced, or nothing to sync)."""
+    lib, ffi = _lib(), _native.ffi
+    n = len(changes)
+    tmps, names = ffi.new("char *[]", n), ffi.new("char *[]", n)
+    datas, lens = ffi.new("char *[]", n), ffi.new("int64_t[]", n)
+    errs = ffi.new("int[]", n)
+    held = []  # what the arrays point into, alive until the call returns
+    for i, (tmp, name, data) in enumerate(changes):
+        held.append(ffi.new("char[]", os.fsencode(name)))
+        names[i] = held[-1]
+        if data is None:
+            lens[i] = -1
+            continue
+        held.append(ffi.new("char[]", os.fsencode(tmp)))
+        tmps[i] = held[-1]
+        held.append(ffi.from_buffer(data))
+        datas[i] = held[-1]
+        lens[i] = len(data)
+    dir_error = lib.feos_commit_group(dir_fd, n, tmps, names, datas, lens, errs)
+    return list(errs), int(dir_error)
 
 
 # --- datagrams by the batch ------------------------------------------------------------------

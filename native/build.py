@@ -14,6 +14,8 @@ Memory rule of the batch section: Python never hands the C side an address to ke
 one block that cffi allocates (ffi.new) and frees; every pointer into it is set by C, to memory
 inside the same block; what Python gives a call (the bytes of an answer) is copied before the
 call returns; every index and length Python passes is checked against the block's bounds.
+The records' section reads what Python hands it (names, the records' bytes) during the call
+only, and keeps nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ HEADERS = """
 #include <sys/file.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <stdio.h>   /* renameat */
+#include <unistd.h>
 #include <netinet/in.h>
 #include <linux/falloc.h>
 #include <linux/ublk_cmd.h>
@@ -268,7 +272,105 @@ static int feos_batch_send(struct feos_batch *b)
 }}
 """
 
-# --- sections to come: ublk (the disk service), userfaultfd (hibernation) ---------------------
+# --- records: a group commit in one call (feos/records.py) -----------------------------------
+
+RECORDS_CDEF = """
+int feos_commit_group(int dir_fd, int n, char **tmps, char **names, char **datas,
+                      const int64_t *lens, int *errs);
+"""
+
+RECORDS_SOURCE = """
+#define FEOS_COMMIT_CHUNK 64  /* temporary files open at once */
+
+static int feos_dropped(int dir_fd, const char *tmp, int fd, int err)
+{
+    if (fd >= 0)
+        close(fd);
+    unlinkat(dir_fd, tmp, 0);
+    return err;
+}
+
+/* A put's first step: its temporary file made, written, and its write-back started (so that a
+   group's files go to the disk together). The open file, or -1 with *err set (file removed). */
+static int feos_write_started(int dir_fd, const char *tmp, const char *data, int64_t len,
+                              int *err)
+{
+    int64_t done = 0;
+    int fd = openat(dir_fd, tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        *err = errno;
+        return -1;
+    }
+    while (done < len) {
+        ssize_t wrote = write(fd, data + done, (size_t)(len - done));
+        if (wrote < 0 && errno == EINTR)
+            continue;
+        if (wrote < 0) {
+            *err = feos_dropped(dir_fd, tmp, fd, errno);
+            return -1;
+        }
+        done += wrote;
+    }
+    (void)sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);  /* a start only: fsync decides */
+    *err = 0;
+    return fd;
+}
+
+/* A put's second step: the file synced and closed. 0, or the errno (file removed). */
+static int feos_synced(int dir_fd, const char *tmp, int fd)
+{
+    if (fsync(fd) != 0)
+        return feos_dropped(dir_fd, tmp, fd, errno);
+    if (close(fd) != 0)
+        return feos_dropped(dir_fd, tmp, -1, errno);
+    return 0;
+}
+
+/* The records' group commit, in one call (made without the GIL): change i is a put of lens[i]
+   bytes at datas[i] (lens[i] >= 0) through the temporary file tmps[i], or a removal
+   (lens[i] < 0); names are relative to dir_fd. First each put's file is written (the write-back
+   of up to FEOS_COMMIT_CHUNK of them started at once) and synced, in order; then, in order, each
+   put whose file was made is renamed over names[i] and each removal unlinks names[i] (one that
+   is not there is no failure); then, if any change was applied, the directory is synced once.
+   errs[i] is 0, or the errno of change i's failed step (its temporary file removed). Returns 0,
+   or the errno of the directory's sync. */
+static int feos_commit_group(int dir_fd, int n, char **tmps, char **names, char **datas,
+                             const int64_t *lens, int *errs)
+{
+    int fds[FEOS_COMMIT_CHUNK];
+    int i, first, applied = 0;
+    for (first = 0; first < n; first += FEOS_COMMIT_CHUNK) {
+        int last = n - first > FEOS_COMMIT_CHUNK ? first + FEOS_COMMIT_CHUNK : n;
+        for (i = first; i < last; i++) {
+            errs[i] = 0;
+            fds[i - first] = lens[i] < 0 ? -1
+                : feos_write_started(dir_fd, tmps[i], datas[i], lens[i], &errs[i]);
+        }
+        for (i = first; i < last; i++)
+            if (fds[i - first] >= 0)
+                errs[i] = feos_synced(dir_fd, tmps[i], fds[i - first]);
+    }
+    for (i = 0; i < n; i++) {
+        if (errs[i] != 0)
+            continue;
+        if (lens[i] < 0) {
+            if (unlinkat(dir_fd, names[i], 0) != 0 && errno != ENOENT) {
+                errs[i] = errno;
+                continue;
+            }
+        } else if (renameat(dir_fd, tmps[i], dir_fd, names[i]) != 0) {
+            errs[i] = feos_dropped(dir_fd, tmps[i], -1, errno);
+            continue;
+        }
+        applied++;
+    }
+    if (applied > 0 && fsync(dir_fd) != 0)
+        return errno;
+    return 0;
+}
+"""
+
+# --- a section to come: userfaultfd (the memory of a restored pod: hibernation) -------------
 
 # --- ublk: the control and I/O commands of the ublk driver (<linux/ublk_cmd.h>) --------------
 #
@@ -325,7 +427,7 @@ struct ublk_params { uint32_t len; uint32_t types; struct ublk_param_basic basic
 UBLK_SOURCE = ""
 
 SECTIONS = [(PROCESS_CDEF, PROCESS_SOURCE), (BATCH_CDEF, BATCH_SOURCE),
-            (UBLK_CDEF, UBLK_SOURCE)]
+            (RECORDS_CDEF, RECORDS_SOURCE), (UBLK_CDEF, UBLK_SOURCE)]
 
 ffibuilder = FFI()
 ffibuilder.cdef("\n".join(cdef for cdef, _ in SECTIONS))

@@ -10,6 +10,7 @@ DeleteVolume deletes its disk first: a volume whose disk diskd could not delete 
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -20,7 +21,7 @@ import trio
 
 from .. import _schema
 from .._codec import NoParams, takes
-from .._store import Staged, Store
+from .._store import Store
 from ..errors import Code, FeosError, invalid
 from ..records import RecordDir
 from ..rpc import on_rpc_thread
@@ -135,16 +136,25 @@ class VolumeId:
     id: str = attrs.field(default="", validator=_checked(check_volume_id))
 
 
+def _label_pairs(answer: Any) -> tuple[tuple[str, str], ...]:
+    return tuple((label.key, label.value) for label in answer.labels)  # kept sorted
+
+
+def _exists_otherwise(volume_id: str) -> FeosError:
+    return FeosError(Code.ALREADY_EXISTS, f"volume {volume_id} exists with another size or labels")
+
+
 class DiskDeleter(Protocol):
     async def delete(self, disk_id: str, plain: Path, *, wait: bool = True) -> None: ...
 
 
 class VolumeService:
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, records: RecordDir | None = None) -> None:
         self.directory = state_dir / "volumes"
         self.disks: DiskDeleter | None = None  # the pod service's (feos.pods._disks.PodDisks)
         self.store: Store[Volume] = Store(
-            RecordDir(self.directory, _schema.volume().Volume, thread_name="volume-records"),
+            records
+            or RecordDir(self.directory, _schema.volume().Volume, thread_name="volume-records"),
             Volume.to_dict,
             Volume.from_dict,
             self._answer,
@@ -152,6 +162,7 @@ class VolumeService:
         # What the API answers: each volume as a Cap'n Proto reader, the mapping replaced whole
         # on a change so that the reads on the RPC thread never see it change under them.
         self._answers: dict[str, Any] = {}
+        self._answering = threading.Lock()  # two threads replace it: neither loses the other's
 
     def load(self) -> None:
         self.store.load()
@@ -168,33 +179,39 @@ class VolumeService:
         return volume
 
     def _answer(self, volume_id: str, reader: Any) -> None:
-        """Once a change is kept: the answers replaced whole, with the record's reader."""
-        if reader is None:
-            self._answers = {k: v for k, v in self._answers.items() if k != volume_id}
-        else:
-            self._answers = {**self._answers, volume_id: reader}
+        """Once a change is kept: the answers replaced whole, with the record's reader (on the
+        thread of the change: trio's, or the Cap'n Proto thread's for a create)."""
+        with self._answering:
+            if reader is None:
+                self._answers = {k: v for k, v in self._answers.items() if k != volume_id}
+            else:
+                self._answers = {**self._answers, volume_id: reader}
 
     async def _keep(self, volume: Volume) -> None:
         await self.store.put(volume.id, volume)
 
     # -- the API ---------------------------------------------------------------------------
 
+    @on_rpc_thread
     @takes(CreateVolume)
     async def create_volume(self, call: CreateVolume) -> dict[str, Any]:
+        """Runs on the Cap'n Proto thread under the API, without the trip to trio and back (in
+        trio where a trio caller calls it): it awaits nothing but its record, whose outcome the
+        writer hands to the loop it runs on. It only adds a volume that is not there, and trio's
+        changes only touch volumes that are, so the two need no common lock."""
         volume_id, size, labels = call.id, call.size_bytes, call.label_pairs()
-        async with self.store.lock:
-            found = self.store.latest(volume_id)
-            if found is None:
-                volume = Volume(volume_id, size, labels, created_unix_ns=time.time_ns())
-                found = self.store.stage(volume_id, volume)
-            existing = found.value if isinstance(found, Staged) else found
-            if existing.size_bytes != size or existing.labels != labels:
-                raise FeosError(
-                    Code.ALREADY_EXISTS, f"volume {volume_id} exists with another size or labels"
-                )
-        # The record is written outside the lock: concurrent creates share the writer's syncs.
-        if isinstance(found, Staged):
-            await self.store.kept(found)
+        answer = self._answers.get(volume_id)
+        if answer is not None:  # kept already: the same create again, or another one
+            if answer.sizeBytes != size or _label_pairs(answer) != labels:
+                raise _exists_otherwise(volume_id)
+            return {"volume": answer}
+        found = self.store.pending(volume_id)
+        if found is None:
+            volume = Volume(volume_id, size, labels, created_unix_ns=time.time_ns())
+            found = self.store.stage(volume_id, volume)
+        elif found.value.size_bytes != size or found.value.labels != labels:
+            raise _exists_otherwise(volume_id)
+        await self.store.kept(found)  # concurrent creates share the writer's syncs
         return {"volume": self._answers[volume_id]}
 
     @on_rpc_thread

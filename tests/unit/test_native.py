@@ -246,3 +246,57 @@ def test_views_of_a_batch_keep_its_memory_after_the_batch_is_dropped(
     assert lengths[0] == 4 and addrs[0] == int.from_bytes(bytes([127, 0, 0, 4]), "little")
     assert data[at : at + 4] == b"kept"
     del kept
+
+
+# --- records -----------------------------------------------------------------------------------
+
+
+def test_a_group_commit_applies_in_order_and_names_each_failure(tmp_path: Path) -> None:
+    (tmp_path / "old.pb").write_bytes(b"old")
+    (tmp_path / ".blocked.tmp").mkdir()  # a put whose temporary file cannot be made
+    (tmp_path / "full.pb").mkdir()  # a put that cannot be renamed over its record
+    (tmp_path / "full.pb" / "x").write_bytes(b"")
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        errors, dir_error = native.commit_group(dir_fd, [
+            (".a.1.tmp", "a.pb", b"first"),
+            (".a.2.tmp", "a.pb", b"second"),  # the same record again: the later one stays
+            ("", "old.pb", None),
+            ("", "never.pb", None),  # a removal of what is not there is no failure
+            (".blocked.tmp", "b.pb", b"b"),
+            (".full.tmp", "full.pb", b"f"),
+            (".c.tmp", "c.pb", b"c" * 100_000),
+        ])  # fmt: skip
+    finally:
+        os.close(dir_fd)
+    assert errors[:4] == [0, 0, 0, 0] and errors[6] == 0
+    assert errors[4] == errno.EISDIR
+    assert errors[5] in (errno.EISDIR, errno.ENOTEMPTY)
+    assert dir_error == 0
+    assert (tmp_path / "a.pb").read_bytes() == b"second"
+    assert (tmp_path / "c.pb").read_bytes() == b"c" * 100_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".blocked.tmp", "a.pb", "c.pb", "full.pb"
+    ]  # the failed put's temporary file removed, the removed record gone  # fmt: skip
+
+
+def test_a_group_commit_on_a_closed_directory_fails_every_change() -> None:
+    dir_fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+    os.close(dir_fd)
+    errors, dir_error = native.commit_group(dir_fd, [(".x.tmp", "x.pb", b"x"), ("", "y.pb", None)])
+    assert errors == [errno.EBADF, errno.EBADF]
+    assert dir_error == 0  # nothing was applied: nothing to sync
+
+
+def test_a_group_commit_larger_than_the_files_it_opens_at_once(tmp_path: Path) -> None:
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        changes = [(f".r{i}.tmp", f"r{i}.pb", str(i).encode()) for i in range(150)]
+        changes[100] = (".r100.tmp", "r99.pb", b"again")  # a later put of a record wins
+        errors, dir_error = native.commit_group(dir_fd, changes)
+    finally:
+        os.close(dir_fd)
+    assert errors == [0] * 150 and dir_error == 0
+    assert len(list(tmp_path.iterdir())) == 149
+    assert (tmp_path / "r99.pb").read_bytes() == b"again"
+    assert (tmp_path / "r149.pb").read_bytes() == b"149"

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
+import re
+import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 import trio
@@ -16,10 +21,12 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feos import _schema
+from feos import _schema, native
 from feos._store import Store
 from feos.errors import Code, FeosError
 from feos.records import RecordDir, is_directory_fd, write_whole
+
+T = TypeVar("T")
 
 labels = st.lists(
     st.fixed_dictionaries({"key": st.text(min_size=1, max_size=20), "value": st.text(max_size=40)}),
@@ -279,3 +286,179 @@ def test_a_record_acknowledged_is_on_disk_when_the_process_is_killed(tmp_path: P
         records.close()
     for n in acknowledged:
         assert loaded[f"v{n}"]["sizeBytes"] == n
+
+
+# -- changes queued from an asyncio loop (the Cap'n Proto thread's creates) ----------------------
+
+
+def _on_asyncio(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """main() run on an asyncio loop of a thread of its own, as the Cap'n Proto thread runs."""
+    box: list[T] = []
+    thread = threading.Thread(target=lambda: box.append(asyncio.run(main())), name="asyncio")
+    thread.start()
+    thread.join(60)
+    assert box, "the asyncio side failed (see the thread's traceback)"
+    return box[0]
+
+
+def test_a_change_from_asyncio_is_acknowledged_there_once_synced(tmp_path: Path) -> None:
+    events: list[str] = []
+
+    def fsync(fd: int) -> None:
+        os.fsync(fd)
+        events.append(f"{'dir' if is_directory_fd(fd) else 'file'} {threading.current_thread().name}")
+
+    records = RecordDir(tmp_path, _schema.volume().Volume, fsync=fsync)
+
+    async def main() -> None:
+        def kept(_reader: object) -> None:
+            events.append(f"kept {threading.current_thread().name}")
+
+        await records.submit_put("r", {"id": "r"}, kept).wait(10)
+        events.append(f"ack {threading.current_thread().name}")
+
+    try:
+        _on_asyncio(main)
+    finally:
+        records.close()
+    writer = "records-" + tmp_path.name
+    # synced and its directory synced by the writer; its memory changed and its caller answered
+    # on the asyncio thread, in that order: no other loop in between
+    assert events == [f"file {writer}", f"dir {writer}", "kept asyncio", "ack asyncio"]
+    assert set(records.load()) == {"r"}
+
+
+def test_changes_from_asyncio_share_a_directory_sync_and_keep_their_order(tmp_path: Path) -> None:
+    disk = _Disk()
+    records = RecordDir(tmp_path, _schema.volume().Volume, fsync=disk.fsync)
+    seen: list[int] = []
+
+    async def main() -> None:
+        disk.entered.clear()
+        disk.hold.clear()
+        first = records.submit_put("first", {"id": "first"}, lambda _r: None)
+        await asyncio.to_thread(disk.entered.wait)  # the writer is held in the first's sync
+        changes = [
+            records.submit_put("a", {"id": "a", "sizeBytes": n}, lambda _r, n=n: seen.append(n))
+            for n in range(1, 6)
+        ]
+        disk.hold.set()
+        await asyncio.gather(first.wait(10), *(c.wait(10) for c in changes))
+
+    try:
+        _on_asyncio(main)
+    finally:
+        disk.hold.set()
+        records.close()
+    assert seen == [1, 2, 3, 4, 5]  # the memory follows the disk, in the order asked for
+    assert disk.log.count("dir") == 2  # one for the first, one for the five behind it
+    assert records.load()["a"]["sizeBytes"] == 5
+
+
+def test_a_change_from_asyncio_not_kept_in_time_fails_and_its_cancelled_caller_sees_it_through(
+    tmp_path: Path,
+) -> None:
+    disk = _Disk()
+    records = RecordDir(tmp_path, _schema.volume().Volume, fsync=disk.fsync)
+    store: Store[str] = Store(records, lambda v: {"id": v}, lambda d: d["id"])
+
+    async def main() -> tuple[FeosError, bool]:
+        disk.entered.clear()
+        disk.hold.clear()
+        stuck = store.stage("stuck", "stuck")
+        await asyncio.to_thread(disk.entered.wait)
+        late = records.submit_put("late", {"id": "late"}, lambda _r: None)
+        try:
+            await late.wait(0.05)
+        except FeosError as exc:
+            error = exc
+        waiter = asyncio.ensure_future(store.kept(stuck))
+        await asyncio.sleep(0)
+        waiter.cancel()  # its caller goes: the change goes on
+        disk.hold.set()
+        await stuck.change.wait(10)  # a second waiter of the same change hears it
+        return error, waiter.cancelled()
+
+    try:
+        error, cancelled = _on_asyncio(main)
+    finally:
+        disk.hold.set()
+        records.close()
+    assert error.code is Code.DEADLINE_EXCEEDED and "late.pb" in error.message
+    assert cancelled
+    assert store.get("stuck") == "stuck"
+    assert set(records.load()) == {"stuck"}  # the writer skipped what its caller gave up
+
+
+TRACED = """
+import sys, trio
+from pathlib import Path
+from feos import _schema
+from feos.records import RecordDir
+
+async def main():
+    records = RecordDir(Path(sys.argv[1]), _schema.volume().Volume)
+    async def one(n):
+        await records.put(f"v{n}", {"id": f"v{n}"})
+        print(f"acked v{n}", flush=True)
+    async with trio.open_nursery() as nursery:
+        for n in range(8):  # at once, so that groups form
+            nursery.start_soon(one, n)
+    records.close()
+trio.run(main)
+"""
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
+@pytest.mark.skipif(not native.available(), reason="feos._native is not built")
+def test_the_native_group_commit_syncs_the_file_then_renames_then_syncs_the_directory(
+    tmp_path: Path,
+) -> None:
+    """The default writer's steps, as the kernel sees them: each record's temporary file synced,
+    then renamed over the record, then the directory synced, and only then the caller told."""
+    trace = tmp_path / "trace"
+    records = tmp_path / "records"
+    subprocess.run(
+        ["strace", "-f", "-y", "-o", str(trace), "-e", "trace=fsync,rename,renameat,renameat2,write",
+         sys.executable, "-c", TRACED, str(records)],
+        check=True, stdout=subprocess.DEVNULL, timeout=120,
+    )  # fmt: skip
+    lines = trace.read_text().splitlines()
+
+    def first(pattern: str) -> int:
+        found = [i for i, line in enumerate(lines) if re.search(pattern, line)]
+        assert found, f"no {pattern!r} in the trace"
+        return found[0]
+
+    for n in range(8):
+        synced = first(rf"fsync\(\d+<{records}/\.v{n}\.pb\.\d+\.tmp>\)")
+        # renameat in the directory: the native call's (Python's own would rename by path)
+        renamed = first(rf'renameat\(\d+<{records}>, "\.v{n}\.pb\.\d+\.tmp", \d+<{records}>, "v{n}\.pb"')
+        acked = first(rf'write\(1<[^>]*>, "acked v{n}"')
+        dir_synced = [
+            i for i, line in enumerate(lines)
+            if re.search(rf"fsync\(\d+<{records}>\)", line) and renamed < i < acked
+        ]  # fmt: skip
+        assert synced < renamed < acked and dir_synced, f"v{n}: {lines[synced:acked + 1]}"
+
+
+def test_close_waits_for_a_change_whose_caller_went(tmp_path: Path) -> None:
+    disk = _Disk()
+    records = RecordDir(tmp_path, _schema.volume().Volume, fsync=disk.fsync)
+
+    async def main() -> None:
+        disk.entered.clear()
+        disk.hold.clear()
+        records.submit_put("a", {"id": "a"}, lambda _r: None)  # nobody waits: the loop ends
+        await asyncio.to_thread(disk.entered.wait)
+
+    try:
+        _on_asyncio(main)
+        release = threading.Timer(0.2, disk.hold.set)  # the disk answers after close is called
+        release.start()
+        records.close()
+        release.join()
+    finally:
+        disk.hold.set()
+    assert (tmp_path / "a.pb").exists()
+    assert records.load().keys() == {"a"}

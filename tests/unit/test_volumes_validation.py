@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import socket
+import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
+import capnp
 import pytest
 import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from feos import _schema
 from feos._codec import structure_params
 from feos.errors import Code, FeosError
 from feos.pods._volumes import (
@@ -21,6 +28,8 @@ from feos.pods._volumes import (
     check_size,
     check_volume_id,
 )
+from feos.records import RecordDir, is_directory_fd
+from feos.rpc import capnp_thread, serve
 
 
 @given(st.uuids())
@@ -125,4 +134,122 @@ async def test_claims_are_all_or_none(tmp_path: Path) -> None:
         assert service.store.get(a).state == "available"  # type: ignore[union-attr]
         await service.delete_volume({"id": a})
     finally:
+        service.close()
+
+
+async def test_creates_on_the_capnp_thread_are_kept_and_answered_there(tmp_path: Path) -> None:
+    """As the API runs them: on the Cap'n Proto thread, the memory changed there, no trip to
+    trio; the same ID created at once is kept once, beside claims and deletes in trio."""
+    service = VolumeService(tmp_path)
+    service.load()
+    where: list[str] = []
+    answer = service.store._on_kept
+
+    def recorded(volume_id: str, reader: Any) -> None:
+        where.append(threading.current_thread().name)
+        answer(volume_id, reader)
+
+    service.store._on_kept = recorded
+    others = [str(uuid.uuid4()) for _ in range(5)]
+    try:
+        await service.create_volume({"id": others[0], "sizeBytes": 64 * MIB})  # in trio
+        async with capnp_thread() as bridge:
+
+            async def creates() -> list[Any]:
+                calls = [{"id": VOLUME_ID, "sizeBytes": 64 * MIB}] * 5
+                calls += [{"id": v, "sizeBytes": 64 * MIB} for v in others[1:]]
+                answers = await asyncio.gather(*(service.create_volume(c) for c in calls))
+                return [a["volume"].id for a in answers]
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(service.claim, "pod1", [others[0]])
+                created = await bridge.call(creates)
+            with pytest.raises(FeosError) as caught:
+                await bridge.call(service.create_volume, {"id": VOLUME_ID, "sizeBytes": 128 * MIB})
+            assert caught.value.code is Code.ALREADY_EXISTS
+        assert created == [VOLUME_ID] * 5 + others[1:]
+        assert sorted(v.id for v in service.store) == sorted([VOLUME_ID, *others])
+        assert service.store.get(others[0]).pod_id == "pod1"  # type: ignore[union-attr]
+        assert where.count("capnp") == 5  # VOLUME_ID once, and the other four
+        assert where.count("MainThread") == 2  # the create in trio and the claim
+        assert len(service.list_volumes({})["volumes"]) == 6
+    finally:
+        service.close()
+    reloaded = VolumeService(tmp_path)
+    reloaded.load()
+    try:
+        assert len(reloaded.list_volumes({})["volumes"]) == 6
+    finally:
+        reloaded.close()
+
+
+async def test_ten_connections_creating_at_once_share_the_directory_sync(tmp_path: Path) -> None:
+    """Through the API server, as feosctl calls it: ten connections' creates queued while the
+    writer syncs an eleventh are one group, with one directory sync; the server serializes
+    nothing."""
+    syncs: list[str] = []
+    hold, entered = threading.Event(), threading.Event()
+    hold.set()
+
+    def fsync(fd: int) -> None:
+        entered.set()
+        hold.wait()
+        syncs.append("dir" if is_directory_fd(fd) else "file")
+        os.fsync(fd)
+
+    records = RecordDir(tmp_path / "volumes", _schema.volume().Volume, fsync=fsync)
+    service = VolumeService(tmp_path, records)
+    service.load()
+    ids = [str(uuid.uuid4()) for _ in range(11)]
+    try:
+        async with capnp_thread() as bridge:
+
+            async def creates() -> list[str]:
+                pairs = [socket.socketpair() for _ in range(11)]
+                conns = []
+                for a, b in pairs:
+                    server = capnp.TwoPartyServer(
+                        await capnp.AsyncIoStream.create_connection(sock=a),
+                        bootstrap=serve(_schema.volume().VolumeService, service, bridge))
+                    client = capnp.TwoPartyClient(
+                        await capnp.AsyncIoStream.create_connection(sock=b))
+                    conns.append((server, client, client.bootstrap().cast_as(
+                        _schema.volume().VolumeService)))  # fmt: skip
+                all_queued, submit_put, queued = asyncio.Event(), records.submit_put, []
+
+                def counted(*args: Any) -> Any:
+                    queued.append(submit_put(*args))
+                    if len(queued) == 11:
+                        all_queued.set()
+                    return queued[-1]
+
+                records.submit_put = counted  # type: ignore[method-assign]
+                try:
+                    entered.clear()
+                    hold.clear()
+                    first = asyncio.ensure_future(conns[0][2].createVolume(ids[0], 64 * MIB))
+                    await asyncio.to_thread(entered.wait)  # the writer is in the first's sync
+                    rest = [
+                        asyncio.ensure_future(c.createVolume(i, 64 * MIB))
+                        for (_, _, c), i in zip(conns[1:], ids[1:], strict=True)
+                    ]
+                    await asyncio.wait_for(all_queued.wait(), 30)  # the ten are queued
+                    hold.set()
+                    answers = await asyncio.gather(first, *rest)
+                    return [str(a.status.code) + " " + a.volume.id for a in answers]
+                finally:
+                    hold.set()
+                    for server, client, _ in conns:
+                        client.close()
+                        server.close()
+                    for a, b in pairs:
+                        a.close()
+                        b.close()
+
+            answered = await bridge.call(creates)
+        assert answered == [f"ok {i}" for i in ids]
+        assert syncs.count("file") == 11
+        assert syncs.count("dir") == 2  # the first's, and one for the ten behind it
+    finally:
+        hold.set()
         service.close()
