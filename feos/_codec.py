@@ -11,9 +11,10 @@ Answers are unstructured into dicts the server writes into the results.
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import attrs
 import cattrs
@@ -90,6 +91,14 @@ def takes(cls: type[T]) -> Callable[[Callable[[S, T], R]], Callable[[S, dict[str
     """A service method taking `cls`, called with the params' dict (as the RPC server calls)."""
 
     def decorate(method: Callable[[S, T], R]) -> Callable[[S, dict[str, Any]], R]:
+        if inspect.iscoroutinefunction(method):  # stays one, for those that ask (fleet's calls)
+
+            @functools.wraps(method)
+            async def entry_async(self: S, params: dict[str, Any]) -> Any:
+                return await method(self, structure_params(params, cls))
+
+            return cast(Callable[[S, dict[str, Any]], R], entry_async)
+
         @functools.wraps(method)
         def entry(self: S, params: dict[str, Any]) -> R:
             return method(self, structure_params(params, cls))

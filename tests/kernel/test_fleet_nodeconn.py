@@ -36,7 +36,7 @@ from feos.fleet._calls import Dispatcher
 from feos.fleet._nodeconn import NodeConnections, Target, stop_message
 from feos.pods import VolumeService
 from feos.pods._events import EventHub
-from feos.rpc import Cap
+from feos.rpc import Cap, capnp_thread
 
 VOLUME = "0b9bb4c4-5d43-4c2b-9d3a-6f2d3c4e5f60"
 
@@ -91,11 +91,11 @@ async def node(tmp_path: Path, listeners: list[PushListener], **kwargs: Any
     volumes = VolumeService(tmp_path)
     volumes.load()
     pods = Pods()
-    calls = Dispatcher({"volumes": volumes, "pods": pods, "mesh": object()},
-                       trio.lowlevel.current_trio_token())
-    conns = NodeConnections(calls, **kwargs)
     try:
-        async with LinkThread(conns) as link:
+        async with capnp_thread() as bridge, LinkThread(NodeConnections(Dispatcher(
+                {"volumes": volumes, "pods": pods, "mesh": object()},
+                trio.lowlevel.current_trio_token(), bridge=bridge), **kwargs)) as link:
+            conns = link.conns
             await link.on_link_sync(conns.set_ssl_context, listeners[0].ssl_context_for_node())
             await link.on_link_sync(conns.set_targets, [
                 Target("127.0.0.1", lst.port, lst.server_name) for lst in listeners])

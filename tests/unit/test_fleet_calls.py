@@ -87,20 +87,24 @@ class Pods:
         raise AssertionError("unreachable")
 
 
-async def test_volume_calls_run_on_feosd_s_runtime_from_the_link_s_thread(
+async def test_volume_calls_run_where_the_socket_runs_them_from_the_link_s_thread(
         volumes: VolumeService) -> None:
-    calls = Dispatcher({"volumes": volumes}, trio.lowlevel.current_trio_token())
+    """CreateVolume on the Cap'n Proto thread (as on the socket), DeleteVolume on feosd's trio
+    runtime, GetVolume at once on the link's thread."""
+    async with capnp_thread() as bridge:
+        calls = Dispatcher({"volumes": volumes}, trio.lowlevel.current_trio_token(), bridge=bridge)
 
-    async def pushed() -> list[Answer]:
-        return [
-            await calls.call("/volumes/createVolume",
-                             body("volumes", "createVolume", id=VOLUME, sizeBytes=64 << 20)),
-            await calls.call("/volumes/getVolume", body("volumes", "getVolume", id=VOLUME)),
-            await calls.call("/volumes/deleteVolume", body("volumes", "deleteVolume", id=VOLUME)),
-            await calls.call("/volumes/getVolume", body("volumes", "getVolume", id=VOLUME)),
-        ]
+        async def pushed() -> list[Answer]:
+            return [
+                await calls.call("/volumes/createVolume",
+                                 body("volumes", "createVolume", id=VOLUME, sizeBytes=64 << 20)),
+                await calls.call("/volumes/getVolume", body("volumes", "getVolume", id=VOLUME)),
+                await calls.call("/volumes/deleteVolume",
+                                 body("volumes", "deleteVolume", id=VOLUME)),
+                await calls.call("/volumes/getVolume", body("volumes", "getVolume", id=VOLUME)),
+            ]
 
-    created, got, deleted, gone = await link(pushed)
+        created, got, deleted, gone = await link(pushed)
     assert created.code == Code.OK
     assert results("volumes", "createVolume", created)["volume"]["sizeBytes"] == 64 << 20
     assert results("volumes", "getVolume", got)["volume"]["id"] == VOLUME
