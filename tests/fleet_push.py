@@ -453,17 +453,21 @@ class PushListener:
             await trio.serve_listeners(self._take, tls, handler_nursery=nursery)
 
     async def _take(self, stream: trio.SSLStream[trio.SocketStream]) -> None:
+        """One node connection, its stream closed however it ends (serve_listeners closes
+        none: a connection the test never took would be left to the garbage collector)."""
         try:
-            with trio.fail_after(10):
-                await stream.do_handshake()
-        except (trio.BrokenResourceError, trio.TooSlowError):
+            try:
+                with trio.fail_after(10):
+                    await stream.do_handshake()
+            except (trio.BrokenResourceError, trio.TooSlowError):
+                return
+            self.accepted += 1
+            client = PushClient(stream)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(client.run)
+                await self._send.send(client)
+        finally:
             await trio.aclose_forcefully(stream)
-            return
-        self.accepted += 1
-        client = PushClient(stream)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(client.run)
-            await self._send.send(client)
 
     async def accept(self) -> PushClient:
         """The next node connection, its HTTP/2 client running."""
