@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import json
 import os
 import socket
 import subprocess
@@ -199,6 +200,42 @@ def test_firecrackers_raw_file_reads_the_layer_and_takes_writes(node: DiskdProc,
     finally:
         node.call("deleteDisk", id="fc-raw")
     assert not _alive(disk["dataPathPid"])
+
+
+def _top_format(top: Path) -> tuple[int, bool]:
+    info = json.loads(subprocess.run(["qemu-img", "info", "-U", "--output=json", str(top)],
+                                     capture_output=True, text=True, check=True).stdout)
+    return info["cluster-size"], info["format-specific"]["data"].get("extended-l2", False)
+
+
+def test_new_tops_have_large_clusters_and_a_top_made_before_keeps_its_own(  # type: ignore[no-untyped-def]
+        node: DiskdProc, layer) -> None:
+    """New tops: 1 MiB clusters of 32 KiB subclusters (docs/disk.md, "A top's format"). A top of
+    qcow2's defaults, as diskd made them before, is served as it is and stays in its format."""
+    base, head = layer
+    node.call("createDisk", id="new-top", kind="pod", sizeBytes=0, base=base["digest"])
+    node.call("createDisk", id="old-top", kind="pod", sizeBytes=0, base=base["digest"])
+    try:
+        assert _top_format(node.state_dir / "disks" / "new-top" / "top.qcow2") == (MIB, True)
+        old = node.state_dir / "disks" / "old-top" / "top.qcow2"
+        old.unlink()  # the top as diskd made it before: 64 KiB clusters, data written in
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-o", "lazy_refcounts=off",
+                        "-b", base["digest"].replace(":", "-"), "-F", "raw", str(old),
+                        str(base["virtualBytes"])], check=True)
+        subprocess.run(["qemu-io", "-f", "qcow2", "-c", "write -P 0x4f 4M 64k", str(old)],
+                       check=True, capture_output=True)
+        disk = node.call("startDisk", id="old-top", vmm="firecracker", ownerUid=0)["disk"]
+        export = Path(disk["path"])
+        assert _read(export, 0, MIB) == head  # the layer beneath
+        assert _read(export, 4 * MIB, 64 * 1024) == b"\x4f" * 64 * 1024  # the old top's data
+        _write(export, 16 * MIB, b"more" * 1024, sync=True)
+        node.call("stopDisk", id="old-top")
+        assert _top_format(old) == (64 * 1024, False)  # not rewritten
+        again = node.call("startDisk", id="old-top", vmm="firecracker", ownerUid=0)["disk"]
+        assert _read(Path(again["path"]), 16 * MIB, 4096) == b"more" * 1024
+    finally:
+        for disk_id in ("new-top", "old-top"):
+            node.call("deleteDisk", id=disk_id)
 
 
 def test_stop_flushes_what_was_written_and_ends_the_export(node: DiskdProc) -> None:
