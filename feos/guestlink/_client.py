@@ -150,6 +150,7 @@ class GuestClient:
         self._stream: Any = None
         self._guest: Any = None
         self._pump: asyncio.Future[Any] | None = None
+        self._theirs: socket.socket | None = None  # the pump's end of the RPC socket pair
         self.ended = asyncio.Event()
 
     # Connecting -----------------------------------------------------------------------------
@@ -226,6 +227,7 @@ class GuestClient:
             raise
         self._server = capnp.TwoPartyServer(self._stream, bootstrap=_NodeServer(self._attached))
         self._guest = self._server.bootstrap().cast_as(guest.GuestService)
+        self._theirs = theirs
         self._pump = asyncio.ensure_future(pump.session(theirs, GUEST_HELLO, first_ignored=False))
         self._pump.add_done_callback(lambda _: self._end())
 
@@ -269,15 +271,22 @@ class GuestClient:
             self._link.unpark()
 
     async def close(self) -> None:
-        if self._pump is not None:
-            self._pump.cancel()
-            await asyncio.gather(self._pump, return_exceptions=True)
-        if self._server is not None:
-            self._server.close()
-            self._stream.close()
-        if self._link is not None:
-            self._link.close()
-        self.ended.set()
+        """Ends the session and closes its sockets; also when cancelled while the pump ends,
+        and when the pump never ran (a session closed as it started: the pump closes its end
+        of the socket pair only once it runs)."""
+        try:
+            if self._pump is not None:
+                self._pump.cancel()
+                await asyncio.gather(self._pump, return_exceptions=True)
+        finally:
+            if self._server is not None:
+                self._server.close()
+                self._stream.close()
+            if self._theirs is not None:
+                self._theirs.close()
+            if self._link is not None:
+                self._link.close()
+            self.ended.set()
 
     async def __aenter__(self) -> GuestClient:
         return self

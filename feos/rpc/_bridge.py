@@ -22,7 +22,7 @@ import threading
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import capnp
 import trio
@@ -44,6 +44,7 @@ class CapnpThread:
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._closing: set[asyncio.Task[None]] = set()  # orphans' closes (Cap'n Proto thread)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -51,21 +52,38 @@ class CapnpThread:
         return self._loop
 
     async def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
-        """Run the asyncio coroutine fn(*args) on the Cap'n Proto thread; wait for it in trio."""
+        """Run the asyncio coroutine fn(*args) on the Cap'n Proto thread; wait for it in trio.
+
+        A caller that leaves (cancelled) cancels the task, and what the task still returns is
+        nobody's: it is closed on the Cap'n Proto thread (see `_Call`)."""
         if self._closed:
             raise FeosError(Code.UNAVAILABLE, STOPPING)
-        future = asyncio.run_coroutine_threadsafe(_scrubbed(fn(*args)), self.loop)
         done = trio.Event()
-        future.add_done_callback(lambda _f: self._wake(done))
+        call: _Call[T] = _Call(fn, args, lambda: self._wake(done), self._orphan)
+        try:
+            self.loop.call_soon_threadsafe(call.start)
+        except RuntimeError:  # the loop has closed
+            raise FeosError(Code.UNAVAILABLE, STOPPING) from None
         try:
             await done.wait()
-        finally:
-            if not future.done():
-                future.cancel()
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # a closed loop has closed what it held
+                self.loop.call_soon_threadsafe(call.leave)
+            raise
         try:
-            return future.result()
+            return call.outcome.result()
         except concurrent.futures.CancelledError:
             raise FeosError(Code.UNAVAILABLE, STOPPING) from None
+
+    def _orphan(self, result: Any) -> None:
+        """On the Cap'n Proto thread: a result whose caller left; one with an async close() (a
+        guest's session and its socket) is closed in a task the loop's stop waits for."""
+        close = getattr(result, "close", None)
+        if close is None or not asyncio.iscoroutinefunction(close):
+            return
+        task = asyncio.ensure_future(_close_quietly(close))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def to_trio(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """On the Cap'n Proto thread: run the trio function fn(*args) and wait for its end."""
@@ -134,10 +152,13 @@ class CapnpThread:
             self._stop = asyncio.Event()
             self._wake(started)
             await self._stop.wait()
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # The tasks left are cancelled; what their callers left behind is closed, also
+            # what they return as they end (a close is not cancelled: it closes sockets).
+            while tasks := [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
+                for task in tasks:
+                    if task not in self._closing:
+                        task.cancel()
+                await asyncio.wait(tasks)
 
         asyncio.run(capnp.run(main()))
 
@@ -161,8 +182,9 @@ class CapnpThread:
             await trio.to_thread.run_sync(self._thread.join)
 
 
-async def _scrubbed(coro: Coroutine[Any, Any, T]) -> T:
-    """coro's result; what it raises leaves without the locals of its frames.
+async def _scrubbed(fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
+    """fn(*args)'s result (the coroutine is made here: one cancelled before it ran is never
+    made, rather than left never awaited); what it raises leaves without the locals of its frames.
 
     Those hold Cap'n Proto readers and clients, which must be freed on this thread: freed on
     trio's (by the cyclic GC, say, once the exception is part of a cycle there) they abort the
@@ -171,7 +193,7 @@ async def _scrubbed(coro: Coroutine[Any, Any, T]) -> T:
     no traceback of this thread: its message says what failed.
     """
     try:
-        result = await coro
+        result = await fn(*args)
     except BaseException as e:
         seen: set[int] = set()
         link: BaseException | None = e
@@ -181,21 +203,79 @@ async def _scrubbed(coro: Coroutine[Any, Any, T]) -> T:
             link = link.__cause__ or link.__context__
         e.with_traceback(None)
         raise
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        await _close_unclaimed(result)
     return result
 
 
-async def _close_unclaimed(result: Any) -> None:
-    """A result that came although its caller went (the bridge's cancel lost the race with
-    the coroutine's end, and asyncio drops what a cancelled call returns) is nobody's: one with
-    an async close() (a guest's session and its socket) is closed here, on its own thread,
-    rather than left to the collector."""
-    close = getattr(result, "close", None)
-    if close is not None and asyncio.iscoroutinefunction(close):
-        with contextlib.suppress(Exception):
+CLOSE_S = 5.0
+
+
+async def _close_quietly(close: Callable[[], Awaitable[Any]]) -> None:
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(CLOSE_S):
             await close()
+
+
+class _Call(Generic[T]):
+    """One `CapnpThread.call`: its task on the Cap'n Proto thread, and who owns its result.
+
+    The caller owns what the task returns until it leaves (cancelled); after that the Cap'n
+    Proto thread does. Both the end of the task and the caller's leaving are handled on that
+    thread, in whichever order they come, so a result is either posted to a caller that reads
+    it or handed to `orphan` exactly once: never dropped as asyncio drops what a cancelled
+    future would have held (a dial that connected just as its caller went, say).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Coroutine[Any, Any, T]],
+        args: tuple[Any, ...],
+        wake: Callable[[], None],
+        orphan: Callable[[Any], None],
+    ) -> None:
+        self._fn, self._args = fn, args
+        self.outcome: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._wake = wake
+        self._orphan = orphan
+        self._task: asyncio.Task[T] | None = None
+        self._returned: list[T] = []  # what the coroutine returned, also if asyncio drops it
+        self._left = False
+        self._posted = False
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+        self._task.add_done_callback(self._ended)
+
+    async def _run(self) -> T:
+        result = await _scrubbed(self._fn, *self._args)
+        self._returned.append(result)
+        return result
+
+    def _ended(self, task: asyncio.Task[T]) -> None:
+        self._task = None  # freed here, with what it holds
+        returned, self._returned = self._returned, []
+        if task.cancelled():
+            # A cancel that came as the coroutine returned cancels the task all the same, and
+            # asyncio drops the result: nobody's then (the caller hears "feosd stops").
+            for result in returned:
+                self._orphan(result)
+            self.outcome.cancel()
+        elif (exc := task.exception()) is not None:
+            self.outcome.set_exception(exc)
+        elif self._left:
+            self._orphan(task.result())
+            return
+        else:
+            self.outcome.set_result(task.result())
+        self._posted = True
+        self._wake()
+
+    def leave(self) -> None:
+        """The caller went without reading the outcome."""
+        self._left = True
+        if self._task is not None:
+            self._task.cancel()  # what it still returns comes to _ended
+        elif self._posted and not self.outcome.cancelled() and self.outcome.exception() is None:
+            self._orphan(self.outcome.result())
 
 
 @asynccontextmanager

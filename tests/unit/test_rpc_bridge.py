@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from pathlib import Path
 
 import pytest
 import trio
@@ -192,3 +194,128 @@ async def test_the_listeners_are_closed_on_the_capnp_thread_only() -> None:
             return not server.is_serving()
 
         assert await bridge.call(closed)
+
+
+class _Session:
+    """A result with an async close(), as a guest's session and its socket."""
+
+    def __init__(self, closed: threading.Event) -> None:
+        self.closed = closed
+
+    async def close(self) -> None:
+        await asyncio.sleep(0)
+        self.closed.set()
+
+
+async def test_a_result_posted_as_its_caller_is_cancelled_is_closed() -> None:
+    """The result is there, but the caller's cancel reaches it before the wake-up does."""
+    import time
+
+    async with capnp_thread() as bridge:
+        returned, closed = threading.Event(), threading.Event()
+
+        async def quick() -> _Session:
+            await asyncio.sleep(0.05)
+            returned.set()
+            return _Session(closed)
+
+        async with trio.open_nursery() as n:
+            scope, calling = trio.CancelScope(), trio.Event()
+
+            async def caller() -> None:
+                with scope:
+                    calling.set()  # and on, with no checkpoint, to the wait in call()
+                    await bridge.call(quick)
+                    raise AssertionError("the caller was cancelled before it woke")
+
+            n.start_soon(caller)
+            await calling.wait()
+            assert returned.wait(5)  # trio's thread is held: the wake-up waits behind the cancel
+            time.sleep(0.1)  # noqa: ASYNC251 (held on purpose: the posted wake-up waits)
+            scope.cancel()
+        assert await trio.to_thread.run_sync(closed.wait, 5)
+
+
+async def test_a_result_that_ends_the_step_before_the_cancel_is_closed() -> None:
+    """The caller left, and the coroutine returned before its cancel reached the task."""
+    async with capnp_thread() as bridge:
+        started, go, closed = threading.Event(), threading.Event(), threading.Event()
+
+        async def held() -> _Session:
+            await asyncio.sleep(0)
+            started.set()
+            go.wait(5)  # the Cap'n Proto thread is held: the cancel waits behind this step
+            return _Session(closed)
+
+        async with trio.open_nursery() as n:
+            scope = trio.CancelScope()
+
+            async def caller() -> None:
+                with scope:
+                    await bridge.call(held)
+
+            n.start_soon(caller)
+            assert await trio.to_thread.run_sync(started.wait, 5)
+            scope.cancel()
+            await trio.sleep(0.05)  # the caller has left
+            go.set()
+        assert await trio.to_thread.run_sync(closed.wait, 5)
+
+
+async def test_a_guest_dial_cancelled_at_any_point_leaves_no_socket(tmp_path: Path) -> None:
+    """A real dial of a Unix socket that answers the hello, as QEMU's guest.sock does, cut at
+    a sweep of moments; then the bridge stops. No socket is left to the collector."""
+    import gc
+    import socket
+    import warnings
+
+    from feos.guest import guest_hello
+    from feos.guestlink import GuestClient
+
+    path = str(tmp_path / "guest.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+            with contextlib.suppress(OSError):  # the node's end went already
+                conn.sendall(guest_hello("b00t", f"s{len(accepted)}"))
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResourceWarning)  # an unclosed socket fails the test
+            async with capnp_thread() as bridge, trio.open_nursery() as n:
+                for i in range(60):
+                    with trio.move_on_after(i * 0.0002):
+                        client = await bridge.call(GuestClient.connect, path)
+                        with trio.CancelScope(shield=True):  # as the guest link closes it
+                            await bridge.call(client.close)
+
+                async def session() -> None:  # as the guest link holds one
+                    client = await bridge.call(GuestClient.connect, path)
+                    try:
+                        await trio.sleep_forever()
+                    finally:
+                        with trio.CancelScope(shield=True):
+                            await bridge.call(client.close)
+
+                for i in range(10):  # and sessions cut by the end of the service
+                    n.start_soon(session)
+                    await trio.sleep(i * 0.0002)
+                n.cancel_scope.cancel()
+            gc.collect()
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        server.join(5)
+        for conn in accepted:
+            conn.close()
