@@ -10,8 +10,10 @@ What it started ends with the test run at the latest (integration/_owner.py), it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -101,3 +103,34 @@ class DiskdProc:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+        end_exports(self.state_dir)
+
+
+def end_exports(root: Path) -> None:
+    """The FUSE exports left below `root` ended: their daemons outlive diskd by design, so a test
+    that leaves a disk started (or fails before it stops it) would leave a daemon, or its mount
+    once the daemon is killed, behind. SIGTERM makes qemu-storage-daemon unmount its export; a
+    mount still there is detached."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            words = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if words[0].endswith(b"qemu-storage-daemon") and str(root).encode() in b" ".join(words):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(cmdline.parent.name), signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _fuse_mounts(root):
+        time.sleep(0.05)
+    for mount in _fuse_mounts(root):
+        subprocess.run(["umount", "-l", mount], check=False, capture_output=True)
+
+
+def _fuse_mounts(root: Path) -> list[str]:
+    found = []
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        fields = line.split()
+        point = fields[1].encode().decode("unicode_escape")  # spaces come octal-escaped
+        if fields[2].startswith("fuse") and point.startswith(str(root)):
+            found.append(point)
+    return found
