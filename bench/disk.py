@@ -34,13 +34,11 @@ import contextlib
 import itertools
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +49,7 @@ sys.path.insert(0, str(REPO / "integration"))
 
 import _owner  # noqa: E402
 import debian_image  # noqa: E402
-from _owner import OWNER  # noqa: E402
+from _owner import OWNER, kept_dir  # noqa: E402
 from moto_s3 import moto_s3  # noqa: E402
 from podnet import BIN, REGISTRY_PORT, REGISTRY_V4, PodNet  # noqa: E402
 
@@ -265,18 +263,6 @@ async def bench(net: PodNet, root: Path, image: str, rand_s: int, rounds: int) -
               f" (target < {TARGET_BAKED})")
 
 
-@contextlib.contextmanager
-def _kept_dir(keep: bool) -> Iterator[str]:
-    tmp = tempfile.mkdtemp(prefix="feos-bench-disk-", dir="/var/tmp")
-    try:
-        yield tmp
-    finally:
-        if keep:
-            print(f"kept {tmp}", flush=True)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rand-s", type=int, default=20, help="seconds of 4 KiB random reads")
@@ -286,7 +272,7 @@ def main() -> int:
     print(f"image {debian_image.REPOSITORY}:{debian_image.TAG}, one layer of {size / 2**20:.0f} "
           f"MiB; QEMU microvm, 1 vCPU, {MEMORY_MIB} MiB; fio O_DIRECT on {DATA}", flush=True)
     keep = os.environ.get("FEOS_BENCH_KEEP") == "1"
-    with _kept_dir(keep) as tmp:
+    with kept_dir("feos-bench-disk-", keep) as tmp:
         root = Path(tmp)
         bare = OWNER.state_dir(root / "bare" / "state")
         try:

@@ -28,7 +28,6 @@ under TCG, and feosd serialises only its records and table writes, which are mil
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import math
@@ -38,9 +37,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import trio
@@ -49,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "integration"))
 
 import _owner  # noqa: E402
-from _owner import OWNER  # noqa: E402
+from _owner import OWNER, kept_dir  # noqa: E402
 from podnet import BIN, IMAGE, PodNet  # noqa: E402
 
 from feos.rpc import capnp_thread  # noqa: E402
@@ -237,19 +234,6 @@ def _least(values: list[float]) -> float:
     return min((v for v in values if not math.isnan(v)), default=math.nan)
 
 
-@contextlib.contextmanager
-def _kept_dir(keep: bool) -> Iterator[str]:
-    """A temporary directory, left in place (and named) when keep."""
-    tmp = tempfile.mkdtemp(prefix="feos-bench-pods-", dir="/var/tmp")
-    try:
-        yield tmp
-    finally:
-        if keep:
-            print(f"kept {tmp}", flush=True)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -259,7 +243,7 @@ def main() -> int:
     print(f"guest {version}, QEMU microvm ({os.cpu_count()} cores), 1 vCPU, {MEMORY_MIB} MiB "
           f"each, median of {args.runs}; image {IMAGE}")
     keep = os.environ.get("FEOS_BENCH_KEEP") == "1"  # the node's and guests' logs stay, to read
-    with _kept_dir(keep) as tmp:
+    with kept_dir("feos-bench-pods-", keep) as tmp:
         root = Path(tmp)
         bare = OWNER.state_dir(root / "bare" / "state")  # the floor's microVMs outlive MicroVms
         try:

@@ -30,9 +30,10 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +218,17 @@ def _end_exports(state_dir: Path) -> None:
 
 OWNER = Owner()
 atexit.register(OWNER.close)
+
+
+@contextlib.contextmanager
+def kept_dir(prefix: str, keep: bool) -> Iterator[str]:
+    """A benchmark's temporary directory under /var/tmp, removed at its end unless `keep`
+    (then left in place and named)."""
+    tmp = tempfile.mkdtemp(prefix=prefix, dir="/var/tmp")
+    try:
+        yield tmp
+    finally:
+        if keep:
+            print(f"kept {tmp}", flush=True)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
