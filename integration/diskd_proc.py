@@ -111,19 +111,27 @@ def end_exports(root: Path) -> None:
     that leaves a disk started (or fails before it stops it) would leave a daemon, or its mount
     once the daemon is killed, behind. SIGTERM makes qemu-storage-daemon unmount its export; a
     mount still there is detached."""
+    for pid in exports_under(root):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _fuse_mounts(root):
+        time.sleep(0.05)
+    for mount in _fuse_mounts(root):
+        subprocess.run(["umount", "-l", mount], check=False, capture_output=True)
+
+
+def exports_under(root: Path) -> list[int]:
+    """The qemu-storage-daemon processes serving a disk below root."""
+    found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             words = cmdline.read_bytes().split(b"\0")
         except OSError:
             continue
         if words[0].endswith(b"qemu-storage-daemon") and str(root).encode() in b" ".join(words):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(cmdline.parent.name), signal.SIGTERM)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and _fuse_mounts(root):
-        time.sleep(0.05)
-    for mount in _fuse_mounts(root):
-        subprocess.run(["umount", "-l", mount], check=False, capture_output=True)
+            found.append(int(cmdline.parent.name))
+    return found
 
 
 def _fuse_mounts(root: Path) -> list[str]:

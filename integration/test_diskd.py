@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from diskd_proc import DiskdProc
+from diskd_proc import DiskdProc, exports_under
 
 from feos.disk import EMPTY_DIGEST
 from feos.errors import Code, FeosError
@@ -51,19 +51,6 @@ def _write(path: Path, offset: int, data: bytes, *, sync: bool = False) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _exports_under(root: Path) -> list[int]:
-    """The qemu-storage-daemon processes serving a disk below root."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            words = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if words[0].endswith(b"qemu-storage-daemon") and str(root).encode() in b" ".join(words):
-            found.append(int(cmdline.parent.name))
-    return found
 
 
 def _alive(pid: int) -> bool:
@@ -392,7 +379,7 @@ def test_a_full_disk_fails_the_write_and_keeps_what_was_flushed(tmp_path: Path) 
             with pytest.raises(FeosError) as caught:  # its record cannot be written now
                 diskd.call("startDisk", id="full", vmm="firecracker", ownerUid=0)
             assert caught.value.code is Code.RESOURCE_EXHAUSTED
-            assert _exports_under(state) == []  # the export it started was ended again
+            assert exports_under(state) == []  # the export it started was ended again
             copy = tmp_path / "copy.raw"  # the chain read whole, off the full filesystem
             top = state / "disk" / "disks" / "full" / "top.qcow2"
             subprocess.run(["qemu-img", "convert", "-O", "raw", str(top), str(copy)], check=True)
