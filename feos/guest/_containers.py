@@ -100,6 +100,7 @@ class Containers:
         self.saves = Saves()
         self.exec_dir = crun_root.rstrip("/") + "-exec"  # process.json and console sockets
         self._execs = 0
+        self._gate: int | None = None  # _size_gate's fd once looked for; -1: there is none
 
     # The records --------------------------------------------------------------------------
 
@@ -332,10 +333,13 @@ class Containers:
         self._execs += 1
         stem = os.path.join(self.exec_dir, f"{name}.{os.getpid()}.{self._execs}")
         process = _oci.exec_process(_process(c.dir), argv, env, cwd, terminal)
+        gate = self._size_gate() if terminal is not None else None
+        if gate is not None:
+            process["args"] = [*SIZE_GATE_ARGV, *process["args"]]
         write_whole(f"{stem}.json", json.dumps(process).encode(), sync=False)
         try:
             if terminal is not None:
-                made = await self._exec_tty(name, stem)
+                made = await self._exec_tty(name, stem, gate)
             else:
                 made = self._exec_pipes(name, stem, stdin)
         except BaseException:
@@ -358,30 +362,53 @@ class Containers:
                     os.close(fd)
         return child, in_w, out_r, err_r
 
-    async def _exec_tty(self, name: str, stem: str) -> tuple[Any, ...]:
+    async def _exec_tty(self, name: str, stem: str, gate: int | None) -> tuple[Any, ...]:
         """crun makes the terminal in the container and hands its master over a console socket
         (SCM_RIGHTS) before it waits for the process; a crun that fails first says why on its
-        stderr, and the wait for the master ends with it."""
+        stderr, and the wait for the master ends with it.
+
+        crun's child runs the process while its parent sets the terminal's size, then sends
+        the master: a process that asks for its size at once (stty size, a shell's first
+        prompt) could see 0 x 0. With a gate (_size_gate), the process is the gate's shell
+        first, reading its fd 4 until the master is here, and so the size set."""
         import socket  # not on the agent's start path
 
         path = f"{stem}.sock"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        held_r, held_w = os.pipe2(os.O_CLOEXEC) if gate is not None else (None, None)
         try:
             listener.bind(path)
             listener.listen(1)
             listener.setblocking(False)
             cmd = [*self.crun, "exec", f"--process={path[:-5]}.json",
                    f"--console-socket={path}", name]  # fmt: skip
+            extra: tuple[int, ...] = ()
+            if gate is not None and held_r is not None:
+                cmd[len(self.crun) + 1:len(self.crun) + 1] = ["--preserve-fds=2"]
+                extra = (gate, held_r)
             err_r, err_w = os.pipe2(os.O_CLOEXEC)
             try:
-                child = self.reaper.spawn(cmd, stderr=err_w)
+                child = self.reaper.spawn(cmd, stderr=err_w, extra=extra)
             finally:
                 os.close(err_w)
+                if held_r is not None:
+                    os.close(held_r)
             master = await _receive_master(listener, child, err_r)
         finally:
             listener.close()
             _unlink(path)
+            if held_w is not None:
+                os.close(held_w)  # the size is set: the gate lets the process run
         return child, os.dup(master), master, err_r
+
+    def _size_gate(self) -> int | None:
+        """An O_PATH fd of a directory holding a statically linked busybox and nothing else,
+        for SIZE_GATE_ARGV (the process reaches it as /proc/self/fd/3/busybox: no library of
+        the image's is needed, and nothing else of the guest's files is in reach). None where
+        there is no static busybox: the process then starts at once, as crun starts it."""
+        if self._gate is None:
+            self._gate = _make_size_gate(os.path.join(self.exec_dir, "gate"))
+        return self._gate if self._gate >= 0 else None
 
 
 async def _receive_master(listener: Any, child: _proc.Child, err_r: int) -> int:
@@ -406,6 +433,47 @@ async def _receive_master(listener: Any, child: _proc.Child, err_r: int) -> int:
 
 
 EXEC_TTY_WITHIN = 10.0  # for crun to hand the terminal over
+
+# An exec with a terminal runs as `busybox sh -c GATE feos-exec ARGV...`: its fd 4 ends once the
+# terminal has its size, then the gate's fds are closed and ARGV runs in the shell's place.
+SIZE_GATE_ARGV = ("/proc/self/fd/3/busybox", "sh", "-c",
+                  'read -r _ <&4; exec 3<&- 4<&-; exec "$@"', "feos-exec")  # fmt: skip
+
+
+def _make_size_gate(directory: str) -> int:
+    """_size_gate's directory made (busybox linked or copied in), opened O_PATH; -1 where
+    there is no statically linked busybox on PATH."""
+    found = shutil.which("busybox")
+    if found is None or not _is_static(found):
+        return -1
+    inside = os.path.join(directory, "busybox")
+    if not os.path.exists(inside):
+        os.makedirs(directory, mode=0o755, exist_ok=True)
+        partial = inside + ".partial"
+        shutil.copyfile(found, partial)
+        os.chmod(partial, 0o755)
+        os.replace(partial, inside)
+    return os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def _is_static(path: str) -> bool:
+    """Whether the ELF file at path has no program interpreter (PT_INTERP): it runs in any
+    container, whatever libraries its image has."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if head[:4] != b"\x7fELF" or head[4] != 2:  # 64-bit only: the guests are
+                return False
+            phoff, = struct.unpack_from("<Q", head, 32)
+            phentsize, phnum = struct.unpack_from("<HH", head, 54)
+            f.seek(phoff)
+            table = f.read(phentsize * phnum)
+    except (OSError, struct.error):
+        return False
+    types = [struct.unpack_from("<I", table, i * phentsize)[0] for i in range(phnum)]
+    return len(table) == phentsize * phnum and 3 not in types  # 3: PT_INTERP
 
 
 def _unlink(path: str) -> None:

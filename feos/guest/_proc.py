@@ -87,13 +87,17 @@ class Reaper:
         stderr: int | None = None,
         env: dict[str, str] | None = None,
         setsid: bool = False,
+        extra: tuple[int, ...] = (),
     ) -> Child:
-        """Starts argv[0] from PATH with the given fds as its 0, 1, 2 (None: /dev/null)."""
+        """Starts argv[0] from PATH with the given fds as its 0, 1, 2 (None: /dev/null) and
+        the extra ones as its 3, 4, ..."""
         null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        # above every target first, so that no dup2 overwrites a source another one still needs
+        high = [_dup_above(fd, 3 + len(extra)) for fd in extra]
         try:
             actions = [
                 (os.POSIX_SPAWN_DUP2, null if fd is None else fd, target)
-                for target, fd in enumerate((stdin, stdout, stderr))
+                for target, fd in enumerate((stdin, stdout, stderr, *high))
             ]
             pid = os.posix_spawnp(
                 argv[0],
@@ -105,6 +109,8 @@ class Reaper:
             )
         finally:
             os.close(null)
+            for fd in high:
+                os.close(fd)
         child = Child(pid, asyncio.get_running_loop())
         self._children[pid] = child
         self.reap()  # it may have ended already, before it was known
@@ -213,3 +219,9 @@ async def check(reaper: Reaper, argv: list[str]) -> str:
     if code:
         raise Failed(f"{' '.join(argv)} failed ({code}): {err.strip() or out.strip()}")
     return out
+
+
+def _dup_above(fd: int, lowest: int) -> int:
+    import fcntl  # only for a spawn with extra fds: not on the agent's start path
+
+    return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, lowest)

@@ -326,3 +326,28 @@ def test_exec_runs_as_the_container_does(setup: dict[str, Any]) -> None:
     assert got["tty"].exit_code == 0 and got["tty"].stderr == b""
     assert got["small"].stdout.split(b"\r\n")[1] == b"24 80", got["small"]
     assert b"typed" in got["typed"].stdout and got["typed"].exit_code == 0, got["typed"]
+
+
+def test_a_terminal_has_its_size_before_the_process_runs(setup: dict[str, Any]) -> None:
+    """crun sets an exec's terminal size in its parent while its child already runs the
+    process: a process asking for its size at once saw 0 x 0 now and then, until the agent held
+    it at a gate until the size is set. Many execs in a row, each asking at once; and the
+    gate's fds are closed before the process runs."""
+    config = ContainerConfig("sizes", setup["image"], ("/bin/sleep", "300"))
+    asks = ["/bin/busybox", "stty", "size"]
+
+    async def scenario(c: GuestClient) -> dict[str, Any]:
+        await c.create_container(config)
+        await c.start_container("sizes")
+        try:
+            sizes = [await (await c.exec("sizes", asks, tty=True, rows=33, cols=101)).communicate()
+                     for _ in range(40)]  # fmt: skip
+            fds = await (await c.exec("sizes", ["/bin/sh", "-c", "ls /proc/$$/fd; true"],
+                                      tty=True)).communicate()  # fmt: skip
+        finally:
+            await c.delete_container("sizes")
+        return {"sizes": sizes, "fds": fds}
+
+    got = setup["agent"].run(scenario)
+    assert [r.stdout for r in got["sizes"]] == [b"33 101\r\n"] * 40, got["sizes"]
+    assert got["fds"].stdout.split() == [b"0", b"1", b"2"], got["fds"]
