@@ -1,7 +1,8 @@
 """Containers run by crun from bundles the agent makes, named by the node, kept on /data.
 
 <data>/containers/<name>/state.json   the record: config (token-free), image, status, times
-<data>/containers/<name>/bundle/       config.json and rootfs/ (the image's layers unpacked)
+<data>/containers/<name>/bundle/       config.json; rootfs/, an overlayfs of the image's layers
+                                       (the image store's, shared) under upper/ (its own)
 <data>/containers/<name>/stdout.log, stderr.log
 
 A start runs `crun run` as the agent's child, which lives as long as the container and ends with
@@ -110,6 +111,7 @@ class Containers:
         for entry in sorted(os.listdir(self.root)):
             path = os.path.join(self.root, entry)
             if entry.endswith(".creating") or entry.endswith(".deleting"):
+                _unmount_under(path)  # its rootfs, where only the agent restarted
                 shutil.rmtree(path, ignore_errors=True)  # a create or delete cut off
                 continue
             try:
@@ -185,6 +187,7 @@ class Containers:
             os.rename(work, final)
         except BaseException:
             del self._all[name]
+            _unmount_under(work)
             shutil.rmtree(work, ignore_errors=True)
             raise
         print(f"feos-guest: container {name} made in {phases.line()}", flush=True)
@@ -205,8 +208,17 @@ class Containers:
             shutil.rmtree(work, ignore_errors=True)  # and lzma, is 45 ms under TCG)
         rootfs = os.path.join(work, "bundle", "rootfs")
         os.makedirs(rootfs)
-        self.images.unpack(image, rootfs)
-        phases.mark("unpack")
+        lowers = self.images.unpack_layers(image)
+        phases.mark("layers")
+        why = _mount_rootfs(rootfs, lowers)
+        if why is None:
+            record["rootfs"] = "overlay"
+            record["layers"] = [d for d, _ in image.layers]  # a later pull of its tag: others
+        else:  # a kernel without overlayfs, or too many layers for one mount's options
+            print(f"feos-guest: container {config['name']}: no overlay ({why}): the layers "
+                  "are copied", flush=True)  # fmt: skip
+            self.images.unpack(image, rootfs)
+            phases.mark("unpack")
         ic = image.config
         try:
             uid, gid = _oci.user_ids(str(ic.get("User") or ""), _read(rootfs, "etc/passwd"),
@@ -227,6 +239,20 @@ class Containers:
         write_whole(os.path.join(work, "state.json"), json.dumps(record).encode())
         phases.mark("records")
 
+    def _remount(self, c: Container) -> None:
+        rootfs = os.path.join(c.dir, "bundle", "rootfs")
+        if os.path.ismount(rootfs):
+            return
+        lowers = [self.images.layer_dir(d) for d in c.record.get("layers") or []]
+        missing = [d for d in lowers if not os.path.isdir(d)]
+        if missing:
+            raise FeosError(Code.FAILED_PRECONDITION, f"container {c.name}: its image's layer "
+                            f"{os.path.basename(missing[0])[:12]} is no longer in the guest's "
+                            "store")  # fmt: skip
+        why = _mount_rootfs(rootfs, lowers)
+        if why is not None:
+            raise FeosError(Code.INTERNAL, f"container {c.name}: its rootfs: {why}")
+
     async def start(self, name: str) -> Container:
         c = self.get(name)
         async with c.lock:
@@ -238,6 +264,8 @@ class Containers:
             if os.path.lexists(os.path.join(self.crun_root, name)):  # noqa: ASYNC240
                 await _proc.run(self.reaper, [*self.crun, "delete", "-f", name])
                 phases.mark("crun delete")
+            if c.record.get("rootfs") == "overlay":  # a guest that booted again lost the mount
+                await asyncio.get_running_loop().run_in_executor(None, self._remount, c)
             flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
             out, err = (
                 os.open(c.log("stdout"), flags, 0o640),
@@ -295,6 +323,7 @@ class Containers:
         c = self.get(name)
         async with c.lock:
             await self._stop(c, signal.SIGKILL, 5.0)
+            _unmount_under(c.dir)
             gone = c.dir + ".deleting"
             os.rename(c.dir, gone)
             del self._all[name]
@@ -474,6 +503,44 @@ def _is_static(path: str) -> bool:
         return False
     types = [struct.unpack_from("<I", table, i * phentsize)[0] for i in range(phnum)]
     return len(table) == phentsize * phnum and 3 not in types  # 3: PT_INTERP
+
+
+def _mount_rootfs(rootfs: str, lowers: list[str]) -> str | None:
+    """An overlayfs at rootfs: the layers' directories (lowest first) under the container's
+    own upper/ beside it (work/ its scratch). None once mounted, else why not."""
+    import ctypes
+
+    bundle = os.path.dirname(rootfs)
+    upper, work = os.path.join(bundle, "upper"), os.path.join(bundle, "work")
+    os.makedirs(upper, exist_ok=True)
+    os.makedirs(work, exist_ok=True)
+    if not lowers:  # an image of no layers: overlayfs wants a lower all the same
+        lowers = [os.path.join(bundle, "empty")]
+        os.makedirs(lowers[0], exist_ok=True)
+    options = f"lowerdir={':'.join(reversed(lowers))},upperdir={upper},workdir={work}"
+    if len(options) >= 4000:  # a mount's options fit in a page
+        return f"{len(lowers)} layers are too many for one mount"
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(b"overlay", rootfs.encode(), b"overlay", 0, options.encode()) != 0:
+        return os.strerror(ctypes.get_errno())
+    return None
+
+
+def _unmount_under(path: str) -> None:
+    """Every mount at or under path detached (a container's rootfs), deepest first."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            points = [line.split()[4] for line in f]
+    except OSError:
+        return
+    inside = [p for p in points if p == path or p.startswith(path.rstrip("/") + "/")]
+    if not inside:
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for point in sorted(inside, key=len, reverse=True):
+        libc.umount2(point.encode(), 2)  # MNT_DETACH
 
 
 def _unlink(path: str) -> None:

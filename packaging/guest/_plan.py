@@ -40,6 +40,7 @@ INITRAMFS_MODULES = (
     "vmw_vsock_virtio_transport",
     "erofs",
     "ext4",
+    "overlay",  # the containers' rootfs over the image store's layers
 )
 
 # Module directories the root image leaves out: hardware a microVM never has.
