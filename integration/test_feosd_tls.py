@@ -1,0 +1,252 @@
+"""feosd's API on TCP over TLS 1.3 with client certificates: who is served, who is refused, when.
+
+A real feosd process on loopback with an operator's CA made by trustme, driven by feosctl and by
+plain ssl sockets; the control plane's bundle comes from a real join to the test control plane
+(tests/controlplane.py). No microVM boots.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trustme
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from feosd_proc import BIN, Feosd
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from controlplane import ControlPlane
+from controlplane_ca import key_pem
+
+UNAUTHENTICATED, UNAVAILABLE = 10 + 16, 10 + 14
+PAST = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=1)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class Pki:
+    """The operator's CA (clients and feosd's certificate), another CA, and their files."""
+
+    def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        self.ca, self.other = trustme.CA(), trustme.CA()
+        self.write("ca.pem", self.ca.cert_pem.bytes())
+        self.write("other-ca.pem", self.other.cert_pem.bytes())
+        server = self.ca.issue_cert("127.0.0.1", "localhost")
+        self.write("server.pem", server.cert_chain_pems[0].bytes())
+        self.write("server.key", server.private_key_pem.bytes())
+        self.client("operator", self.ca.issue_cert("operator@example.com"))
+        self.client("stranger", self.other.issue_cert("operator@example.com"))
+        self.client("expired", self.ca.issue_cert("operator@example.com", not_after=PAST))
+
+    def write(self, name: str, data: bytes) -> Path:
+        (self.root / name).write_bytes(data)
+        return self.root / name
+
+    def client(self, name: str, cert: trustme.LeafCert) -> None:
+        self.write(f"{name}.pem", b"".join(p.bytes() for p in cert.cert_chain_pems)
+                   + cert.private_key_pem.bytes())
+
+    def path(self, name: str) -> str:
+        return str(self.root / name)
+
+
+def ctl(address: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "feosctl"), "--socket", address, *argv],
+                          capture_output=True, text=True, timeout=60)
+
+
+def wait_for_log(daemon: Feosd, text: str, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while text not in daemon.log_text():
+        assert time.monotonic() < deadline, f"{text!r} not in feosd's log:\n{daemon.log_text()}"
+        time.sleep(0.05)
+    return daemon.log_text()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return Pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[tuple[Feosd, str]]:
+    """feosd serving TCP with TLS: the operator's CA for clients, a certificate it issued."""
+    port = free_port()
+    daemon = Feosd(tmp_path_factory.mktemp("tls") / "node", "--tcp", f"127.0.0.1:{port}",
+                   "--tcp-client-ca", pki.path("ca.pem"), "--tcp-cert", pki.path("server.pem"),
+                   "--tcp-key", pki.path("server.key"))
+    with daemon.start():
+        yield daemon, f"127.0.0.1:{port}"
+
+
+def as_operator(pki: Pki, client: str = "operator") -> list[str]:
+    return ["--tls-cert", pki.path(f"{client}.pem"), "--tls-ca", pki.path("ca.pem")]
+
+
+def test_the_operators_client_is_served(node: tuple[Feosd, str], pki: Pki) -> None:
+    daemon, address = node
+    done = ctl(address, *as_operator(pki), "--json", "host", "info")
+    assert done.returncode == 0, done.stderr
+    assert f"{address} (TLS)" in daemon.log_text()
+
+
+@pytest.mark.parametrize(("client", "reason"), [
+    (None, "no client certificate"),
+    ("stranger", "unable to get local issuer certificate"),
+    ("expired", "certificate has expired"),
+])
+def test_refused_in_the_handshake_before_any_call(node: tuple[Feosd, str], pki: Pki,
+                                                  client: str | None, reason: str) -> None:
+    daemon, address = node
+    host, port = address.rsplit(":", 1)
+    before = daemon.log_text().count("refused a client in the TLS handshake")
+    ctx = ssl.create_default_context(cafile=pki.path("ca.pem"))
+    if client is not None:
+        ctx.load_cert_chain(pki.path(f"{client}.pem"))
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        with ctx.wrap_socket(raw, server_hostname=host) as tls:
+            # TLS 1.3: the client's side of the handshake ends before the server checks it; the
+            # server closes without a byte of Cap'n Proto, whatever the client sends.
+            tls.sendall(b"\x00" * 64)
+            try:
+                answer = tls.recv(1024)
+            except (ssl.SSLError, ConnectionError):
+                answer = b""
+            assert answer == b""
+    log = wait_for_log(daemon, f"refused a client in the TLS handshake: {reason}")
+    assert log.count("refused a client in the TLS handshake") == before + 1
+
+    # A change asked by that client is not made: the refusal comes before any call.
+    volume = str(uuid.uuid4())
+    if client is None:
+        done = ctl(address, "volume", "create", volume, "--size", "64MiB")
+        assert done.returncode == UNAVAILABLE, done.stderr
+        assert "drops a client without it: --tls-cert" in done.stderr
+    else:
+        done = ctl(address, *as_operator(pki, client), "volume", "create", volume,
+                   "--size", "64MiB")
+        assert done.returncode == UNAUTHENTICATED, done.stderr
+        assert f"feosd at {address} refused this client in the TLS handshake" in done.stderr
+    assert volume not in daemon.ctl("volume", "list").stdout
+
+
+def test_feosctl_refuses_a_feosd_its_ca_did_not_issue(node: tuple[Feosd, str], pki: Pki) -> None:
+    _, address = node
+    done = ctl(address, "--tls-cert", pki.path("operator.pem"), "--tls-ca",
+               pki.path("other-ca.pem"), "host", "info")
+    assert done.returncode == UNAVAILABLE
+    assert f"feosd at {address} failed the TLS handshake: " in done.stderr
+    assert "certificate" in done.stderr.split("handshake: ")[1]
+
+
+def test_feosds_own_certificate_is_checked_by_its_pin(tmp_path: Path, pki: Pki) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    with Feosd(tmp_path / "node", "--tcp", address, "--tcp-client-ca",
+               pki.path("ca.pem")).start() as daemon:
+        log = wait_for_log(daemon, "feosd's own certificate")
+        match = re.search(r"own certificate (\S+), pin (\S+) ", log)
+        assert match is not None, log
+        assert Path(match[1]) == daemon.state_dir / "tls" / "cert.pem"
+        assert (daemon.state_dir / "tls" / "key.pem").stat().st_mode & 0o077 == 0
+        pinned = ["--tls-cert", pki.path("operator.pem"), "--tls-pin", match[2]]
+        done = ctl(address, *pinned, "host", "info")
+        assert done.returncode == 0, done.stderr
+        wrong = ctl(address, *pinned[:3], "A" * 43, "host", "info")
+        assert wrong.returncode == UNAVAILABLE
+        assert f"feosd's key has the pin {match[2]}, not the --tls-pin {'A' * 43}" in wrong.stderr
+
+
+def node_client(cp: ControlPlane, directory: Path) -> Path:
+    """A certificate the control plane issued (a node's, as ferun issues its clients' too)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = (x509.CertificateSigningRequestBuilder()
+           .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "ferun")]))
+           .sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.DER))
+    path = directory / "cp-client.pem"
+    path.write_bytes(cp.ca.issue_node(csr, "ferun").encode() + key_pem(key))
+    return path
+
+
+def test_the_control_planes_bundle_is_trusted_once_joined(
+        tmp_path: Path, pki: Pki, node: tuple[Feosd, str]) -> None:
+    with ControlPlane(tmp_path / "cp") as cp:
+        client = node_client(cp, tmp_path)
+        _, unjoined = node
+        before = ctl(unjoined, "--tls-cert", str(client), "--tls-ca", pki.path("ca.pem"),
+                     "host", "info")
+        assert before.returncode == UNAUTHENTICATED, before.stderr
+
+        token = tmp_path / "join-token"
+        token.write_text(cp.token() + "\n")
+        address = f"127.0.0.1:{free_port()}"
+        joined = Feosd(tmp_path / "node", "--tcp", address, "--tcp-client-ca",
+                       pki.path("ca.pem"), "--tcp-cert", pki.path("server.pem"), "--tcp-key",
+                       pki.path("server.key"), "--control-plane", cp.address,
+                       "--control-plane-name", cp.ca.server_name, "--join-token-file", str(token))
+        with joined.start():
+            cp.wait_for(lambda: cp.joins, why="a join")
+            bundle = joined.state_dir / "node" / "bundle.pem"
+            deadline = time.monotonic() + 10
+            while not bundle.exists():
+                assert time.monotonic() < deadline, "no bundle.pem after the join"
+                time.sleep(0.05)
+            done = ctl(address, "--tls-cert", str(client), "--tls-ca", pki.path("ca.pem"),
+                       "host", "info")
+            assert done.returncode == 0, done.stderr
+            assert "the control plane's bundle trusted" in joined.log_text()
+            # The operator's clients stay served beside the control plane's.
+            assert ctl(address, *as_operator(pki), "host", "info").returncode == 0
+
+
+@pytest.mark.parametrize("extra", [[], ["--tcp-insecure"]])
+def test_a_plain_tcp_warns(tmp_path: Path, extra: list[str]) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    with Feosd(tmp_path / "node", "--tcp", address, *extra).start() as daemon:
+        assert ctl(address, "host", "info").returncode == 0
+        where = "this machine"  # loopback, with --tcp-insecure or without
+        assert (f"the API on TCP {address} is plain, without authentication: anyone on {where}"
+                in daemon.log_text())
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--tcp", "[::]:1337"], "--tcp [::]:1337: not a loopback address: needs --tcp-client-ca "
+     "FILE (TLS with client certificates) or --tcp-insecure"),
+    (["--tcp", "0.0.0.0:1337", "--tcp-cert", "c.pem", "--tcp-key", "k.pem"],
+     "--tcp-cert: needs --tcp-client-ca"),
+    (["--tcp-client-ca", "ca.pem"], "--tcp-client-ca: needs --tcp"),
+])
+def test_a_tcp_that_is_not_safe_is_refused_at_the_start(argv: list[str], error: str) -> None:
+    done = subprocess.run([str(BIN / "feosd"), *argv], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert f"feosd: error: {error}" in done.stderr
+
+
+def test_a_bad_tls_file_is_refused_at_the_start(tmp_path: Path, pki: Pki) -> None:
+    (tmp_path / "empty.pem").write_text("")
+    for option, bad in (("--tcp-client-ca", tmp_path / "missing.pem"),
+                        ("--tcp-client-ca", tmp_path / "empty.pem")):
+        daemon = Feosd(tmp_path / "node", "--tcp", f"127.0.0.1:{free_port()}",
+                       "--tcp-cert", pki.path("server.pem"), "--tcp-key", pki.path("server.key"),
+                       option, str(bad))
+        proc = daemon.spawn()
+        assert proc.wait(30) == 1
+        last = daemon.log_text().strip().splitlines()[-1]
+        assert last.startswith(f"feosd: {option} {bad}: "), daemon.log_text()
