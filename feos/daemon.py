@@ -226,7 +226,9 @@ def tcp_tls(args: argparse.Namespace, node_dir: Path) -> ServerContexts | None:
 
 def bind_tcp(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on a socket whose proto says TCP,
+    # and without it every call waits 40 ms for a delayed ACK (Nagle's algorithm)
+    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if family == socket.AF_INET6:
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)

@@ -250,3 +250,54 @@ def test_a_bad_tls_file_is_refused_at_the_start(tmp_path: Path, pki: Pki) -> Non
         assert proc.wait(30) == 1
         last = daemon.log_text().strip().splitlines()[-1]
         assert last.startswith(f"feosd: {option} {bad}: "), daemon.log_text()
+
+
+def tls_node(root: Path, pki: Pki, *extra: str) -> tuple[Feosd, str]:
+    address = f"127.0.0.1:{free_port()}"
+    return Feosd(root, "--tcp", address, "--tcp-client-ca", pki.path("ca.pem"), "--tcp-cert",
+                 pki.path("server.pem"), "--tcp-key", pki.path("server.key"), *extra), address
+
+
+def test_host_reboot_and_shutdown_over_tls(tmp_path: Path, pki: Pki) -> None:
+    """The calls reach HostService over TLS (in a PID namespace it refuses to signal the
+    namespace's init, which is how a test sees them answered without a reboot); a stranger's
+    never arrive. The reboot itself is feos-host-init's (its image's tests)."""
+    daemon, address = tls_node(tmp_path / "node", pki)
+    with daemon.start(prefix=["unshare", "--pid", "--fork", "--kill-child",
+                              "sh", "-c", '"$@" & wait $!', "sh"]):
+        for verb in ("reboot", "shutdown"):
+            done = ctl(address, *as_operator(pki), "host", verb)
+            assert done.returncode == 19, done.stderr
+            assert "PID namespace of its own" in done.stderr
+            refused = ctl(address, *as_operator(pki, "stranger"), "host", verb)
+            assert refused.returncode == UNAUTHENTICATED, refused.stderr
+        assert daemon.log_text().count("signalling PID 1") == 0
+
+
+def test_an_upgrade_over_tls_serves_tls_again(tmp_path: Path, pki: Pki) -> None:
+    program = tmp_path / "bin" / "feosd"
+    program.parent.mkdir()
+    original = (BIN / "feosd").read_text()
+    program.write_text(original)
+    program.chmod(0o755)
+    daemon, address = tls_node(tmp_path / "node", pki, "--self-upgrade")
+    daemon.program = [str(program)]
+    with daemon.start():
+        pid = daemon.proc.pid  # type: ignore[union-attr]
+        before = ctl(address, *as_operator(pki), "--json", "host", "info")
+        assert before.returncode == 0, before.stderr
+        new = tmp_path / "feosd-new"
+        new.write_text(original + "\n# upgraded\n")
+        done = ctl(address, *as_operator(pki), "host", "upgrade", str(new))
+        assert done.returncode == 0, done.stderr
+        wait_for_log(daemon, "upgrading: executing", timeout=20)
+        deadline = time.monotonic() + 20
+        while daemon.log_text().count("(TLS)") < 2:  # the new program's "serving the API on"
+            assert time.monotonic() < deadline, daemon.log_text()
+            time.sleep(0.1)
+        after = ctl(address, *as_operator(pki), "--json", "host", "info")
+        assert after.returncode == 0, after.stderr
+        assert f'"pid": {pid}' in after.stdout and after.stdout != before.stdout
+        assert ctl(address, "host", "info").returncode == UNAVAILABLE  # plain: still refused
+        refused = ctl(address, *as_operator(pki, "expired"), "host", "info")
+        assert refused.returncode == UNAUTHENTICATED
