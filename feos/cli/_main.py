@@ -18,7 +18,7 @@ from typing import Any
 import capnp
 
 from ..errors import Code, FeosError
-from ..rpc import Client
+from ..rpc import Client, is_socket_path
 from . import _commands
 from ._pods import ExitWith
 
@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def client_tls(args: argparse.Namespace) -> Any:
-    """The TLS of the TCP connection (a ClientTls), or None for a plain one."""
+    """The TLS of the TCP connection (a ClientTls), or None for a plain one or a socket path."""
+    if is_socket_path(args.socket):
+        return None
     if args.tls_cert is None:
         for flag in ("tls_key", "tls_ca", "tls_pin", "tls_server_name"):
             if getattr(args, flag) is not None:

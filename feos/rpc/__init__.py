@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._client import SERVICES as SERVICES
 from ._client import Client as Client
+from ._client import is_socket_path as is_socket_path
 from ._client import raise_for_status as raise_for_status
 from ._client import translate as translate
 

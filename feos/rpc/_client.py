@@ -24,6 +24,11 @@ if TYPE_CHECKING:
 SERVICES = ("pods", "volumes", "securityGroups", "names", "traffic", "host", "mesh")
 
 
+def is_socket_path(address: str) -> bool:
+    """Whether an API address is a Unix socket's path rather than HOST:PORT."""
+    return address.startswith("/") or address.startswith(".") or ":" not in address
+
+
 def raise_for_status(results: Any) -> Any:
     """The results, or the FeosError their status stands for."""
     status = results.status
@@ -88,7 +93,7 @@ class Client:
     @classmethod
     async def connect(cls, address: str, tls: ClientTls | None = None) -> Client:
         """A socket path, or HOST:PORT / [V6]:PORT for TCP (over TLS with `tls`)."""
-        if address.startswith("/") or address.startswith(".") or ":" not in address:
+        if is_socket_path(address):
             return await cls.connect_unix(address)
         host, _, port = address.rpartition(":")
         return await cls.connect_tcp(host.strip("[]"), int(port), tls)
