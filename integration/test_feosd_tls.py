@@ -20,15 +20,12 @@ from pathlib import Path
 
 import pytest
 import trustme
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from feosd_proc import BIN, Feosd
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from controlplane import ControlPlane
-from controlplane_ca import key_pem
+from controlplane_ca import key_pem, make_leaf, pem
 
 UNAUTHENTICATED, UNAVAILABLE = 10 + 16, 10 + 14
 PAST = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=1)
@@ -174,33 +171,31 @@ def test_feosds_own_certificate_is_checked_by_its_pin(tmp_path: Path, pki: Pki) 
         assert f"feosd's key has the pin {match[2]}, not the --tls-pin {'A' * 43}" in wrong.stderr
 
 
-def node_client(cp: ControlPlane, directory: Path) -> Path:
-    """A certificate the control plane issued (a node's, as ferun issues its clients' too)."""
+def cp_client(cp: ControlPlane, directory: Path, name: str, uri: str) -> Path:
+    """A client certificate the control plane's CA issued, for the SPIFFE ID `uri`."""
     key = ec.generate_private_key(ec.SECP256R1())
-    csr = (x509.CertificateSigningRequestBuilder()
-           .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "ferun")]))
-           .sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.DER))
-    path = directory / "cp-client.pem"
-    path.write_bytes(cp.ca.issue_node(csr, "ferun").encode() + key_pem(key))
+    leaf = make_leaf(cp.ca.ca, cp.ca.ca_key, key.public_key(), dns=[], uris=[uri], server=False,
+                     cn=name)
+    path = directory / f"{name}.pem"
+    path.write_text(pem(leaf, cp.ca.ca) + key_pem(key).decode())
     return path
 
 
 def test_the_control_planes_bundle_is_trusted_once_joined(
         tmp_path: Path, pki: Pki, node: tuple[Feosd, str]) -> None:
     with ControlPlane(tmp_path / "cp") as cp:
-        client = node_client(cp, tmp_path)
+        ferun = cp_client(cp, tmp_path, "ferun", "spiffe://feos.local/ferun")
+        other_node = cp_client(cp, tmp_path, "node2", "spiffe://feos.local/node/node2")
         _, unjoined = node
-        before = ctl(unjoined, "--tls-cert", str(client), "--tls-ca", pki.path("ca.pem"),
+        before = ctl(unjoined, "--tls-cert", str(ferun), "--tls-ca", pki.path("ca.pem"),
                      "host", "info")
         assert before.returncode == UNAUTHENTICATED, before.stderr
 
         token = tmp_path / "join-token"
         token.write_text(cp.token() + "\n")
-        address = f"127.0.0.1:{free_port()}"
-        joined = Feosd(tmp_path / "node", "--tcp", address, "--tcp-client-ca",
-                       pki.path("ca.pem"), "--tcp-cert", pki.path("server.pem"), "--tcp-key",
-                       pki.path("server.key"), "--control-plane", cp.address,
-                       "--control-plane-name", cp.ca.server_name, "--join-token-file", str(token))
+        joined, address = tls_node(tmp_path / "node", pki, "--control-plane", cp.address,
+                                   "--control-plane-name", cp.ca.server_name,
+                                   "--join-token-file", str(token))
         with joined.start():
             cp.wait_for(lambda: cp.joins, why="a join")
             bundle = joined.state_dir / "node" / "bundle.pem"
@@ -208,12 +203,18 @@ def test_the_control_planes_bundle_is_trusted_once_joined(
             while not bundle.exists():
                 assert time.monotonic() < deadline, "no bundle.pem after the join"
                 time.sleep(0.05)
-            done = ctl(address, "--tls-cert", str(client), "--tls-ca", pki.path("ca.pem"),
+            done = ctl(address, "--tls-cert", str(ferun), "--tls-ca", pki.path("ca.pem"),
                        "host", "info")
             assert done.returncode == 0, done.stderr
             assert "the control plane's bundle trusted" in joined.log_text()
             # The operator's clients stay served beside the control plane's.
             assert ctl(address, *as_operator(pki), "host", "info").returncode == 0
+            # Another node's certificate, from the same CA, is refused in the handshake.
+            refused = ctl(address, "--tls-cert", str(other_node), "--tls-ca", pki.path("ca.pem"),
+                          "host", "info")
+            assert refused.returncode == UNAUTHENTICATED, refused.stderr
+            wait_for_log(joined, "refused a client in the TLS handshake: a node's certificate "
+                         "(spiffe://feos.local/node/node2): nodes do not call each other's API")
 
 
 @pytest.mark.parametrize("extra", [[], ["--tcp-insecure"]])

@@ -14,8 +14,9 @@ keep what they were admitted with. A changed file that is unreadable or bad keep
 context, logged once per change.
 
 Refusals: OpenSSL refuses a client without a certificate, with one no trusted CA issued, or with
-an expired one in the handshake, before a byte of Cap'n Proto is read; `_Refusals` logs each at
-INFO (anyone who reaches the port can knock). asyncio then drops the connection without sending
+an expired one in the handshake, before a byte of Cap'n Proto is read; `_Refusals` refuses a
+node's certificate there too (`node_identity`), and logs each at INFO (anyone who reaches the
+port can knock). asyncio then drops the connection without sending
 the alert, so feosctl tells a refusal from a lost connection by the session ticket, which a TLS 1.3
 server sends once it has accepted the client (`ClientContext.refused`).
 
@@ -103,16 +104,33 @@ def server_context(tls: ServerTls) -> ssl.SSLContext:
 
 
 class _Refusals(ssl.SSLObject):
-    """A server's SSL object that logs the handshakes it refuses."""
+    """A server's SSL object: it refuses a node's certificate, and logs what it refuses."""
 
     def do_handshake(self) -> None:
         try:
             super().do_handshake()
+            node = node_identity(self.getpeercert() or {})
+            if node is not None:
+                raise ssl.SSLError(f"a node's certificate ({node}): nodes do not call each "
+                                   "other's API")
         except ssl.SSLWantReadError:
             raise
         except ssl.SSLError as exc:
             log.info("the API on TCP refused a client in the TLS handshake: %s", refusal(exc))
             raise
+
+
+def node_identity(peercert: dict[str, Any]) -> str | None:
+    """The SPIFFE ID of a node (spiffe://<trust domain>/node/<name>) the certificate carries.
+
+    The control plane's CA issues the nodes' certificates too, for client authentication: with
+    its bundle trusted, any node could call every other's API as root. Refused after OpenSSL's
+    check and before the handshake is done for asyncio, so no session ticket leaves and no byte
+    of Cap'n Proto is read."""
+    for kind, value in peercert.get("subjectAltName", ()):
+        if kind == "URI" and value.startswith("spiffe://") and "/node/" in value:
+            return str(value)
+    return None
 
 
 def refusal(exc: ssl.SSLError) -> str:
@@ -123,7 +141,9 @@ def refusal(exc: ssl.SSLError) -> str:
     reason = getattr(exc, "reason", None)
     if reason == "PEER_DID_NOT_RETURN_A_CERTIFICATE":
         return "no client certificate"
-    return reason.replace("_", " ").lower() if reason else str(exc)
+    if reason:
+        return str(reason).replace("_", " ").lower()
+    return exc.args[0] if len(exc.args) == 1 and isinstance(exc.args[0], str) else str(exc)
 
 
 class ServerContexts:
