@@ -217,6 +217,27 @@ def test_the_control_planes_bundle_is_trusted_once_joined(
                          "(spiffe://feos.local/node/node2): nodes do not call each other's API")
 
 
+def test_a_replaced_ca_file_is_used_from_the_next_connection(tmp_path: Path, pki: Pki) -> None:
+    ca_file = tmp_path / "client-ca.pem"
+    ca_file.write_bytes((pki.root / "ca.pem").read_bytes())
+    address = f"127.0.0.1:{free_port()}"
+    with Feosd(tmp_path / "node", "--tcp", address, "--tcp-client-ca", str(ca_file), "--tcp-cert",
+               pki.path("server.pem"), "--tcp-key", pki.path("server.key")).start() as daemon:
+        assert ctl(address, *as_operator(pki), "host", "info").returncode == 0
+        stranger = as_operator(pki, "stranger")
+        assert ctl(address, *stranger, "host", "info").returncode == UNAUTHENTICATED
+        new = tmp_path / "client-ca.pem.new"  # the operator's rotation: written whole, renamed
+        new.write_bytes((pki.root / "other-ca.pem").read_bytes())
+        new.rename(ca_file)
+        done = ctl(address, *stranger, "host", "info")
+        assert done.returncode == 0, done.stderr
+        assert ctl(address, *as_operator(pki), "host", "info").returncode == UNAUTHENTICATED
+        assert "the API's TLS files changed: new connections use them" in daemon.log_text()
+        ca_file.write_text("not a certificate\n")  # a bad file: the previous ones stay
+        assert ctl(address, *stranger, "host", "info").returncode == 0
+        assert f"--tcp-client-ca {ca_file}: " in daemon.log_text()
+
+
 @pytest.mark.parametrize("extra", [[], ["--tcp-insecure"]])
 def test_a_plain_tcp_warns(tmp_path: Path, extra: list[str]) -> None:
     address = f"127.0.0.1:{free_port()}"

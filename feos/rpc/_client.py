@@ -119,8 +119,8 @@ class Client:
     def _lost(self, method: str, exc: capnp.KjException) -> FeosError:
         if self._tls is not None and self._tls.refused():
             return FeosError(Code.UNAUTHENTICATED, f"feosd at {self._where} refused this client "
-                             "in the TLS handshake: no certificate, or one its CAs did not issue "
-                             "or that has expired (feosd's log says which)")
+                             "in the TLS handshake: no certificate, or one its CAs did not issue, "
+                             "an expired one or a node's (feosd's log says which)")
         hint = ""
         if self._where and self._tls is None and exc.type == "DISCONNECTED":
             hint = " (a feosd that serves TLS on TCP drops a client without it: --tls-cert)"
