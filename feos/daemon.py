@@ -217,8 +217,9 @@ def tcp_tls(args: argparse.Namespace, node_dir: Path) -> ServerContexts | None:
         log.info("the API on TCP: feosd's own certificate %s, pin %s (feosctl --tls-pin)",
                  cert, pin_of(cert))
     return ServerContexts(ServerTls(args.tcp_client_ca, cert, key, node_dir / "bundle.pem",
-                                    cert_option="--tcp-cert" if args.tcp_cert else str(cert),
-                                    key_option="--tcp-key" if args.tcp_key else str(key)))
+                                    cert_option="--tcp-cert" if args.tcp_cert
+                                    else "feosd's own certificate",
+                                    key_option="--tcp-key" if args.tcp_key else "feosd's own key"))
 
 
 # -- listeners ---------------------------------------------------------------------------------

@@ -263,15 +263,21 @@ def test_a_tcp_that_is_not_safe_is_refused_at_the_start(argv: list[str], error: 
 
 def test_a_bad_tls_file_is_refused_at_the_start(tmp_path: Path, pki: Pki) -> None:
     (tmp_path / "empty.pem").write_text("")
-    for option, bad in (("--tcp-client-ca", tmp_path / "missing.pem"),
-                        ("--tcp-client-ca", tmp_path / "empty.pem")):
+    missing, empty, ca = tmp_path / "missing.pem", tmp_path / "empty.pem", pki.path("ca.pem")
+    key, wrong_key = pki.path("server.key"), pki.path("stranger.pem")
+    for extra, line in (
+        (["--tcp-client-ca", str(missing), "--tcp-key", key],
+         f"feosd: --tcp-client-ca {missing}: No such file or directory"),
+        (["--tcp-client-ca", str(empty), "--tcp-key", key], f"feosd: --tcp-client-ca {empty}: "),
+        (["--tcp-client-ca", ca, "--tcp-key", wrong_key],
+         f"feosd: --tcp-cert/--tcp-key {pki.path('server.pem')}: key values mismatch"),
+    ):
         daemon = Feosd(tmp_path / "node", "--tcp", f"127.0.0.1:{free_port()}",
-                       "--tcp-cert", pki.path("server.pem"), "--tcp-key", pki.path("server.key"),
-                       option, str(bad))
+                       "--tcp-cert", pki.path("server.pem"), *extra)
         proc = daemon.spawn()
         assert proc.wait(30) == 1
         last = daemon.log_text().strip().splitlines()[-1]
-        assert last.startswith(f"feosd: {option} {bad}: "), daemon.log_text()
+        assert last.startswith(line), daemon.log_text()
 
 
 def tls_node(root: Path, pki: Pki, *extra: str) -> tuple[Feosd, str]:

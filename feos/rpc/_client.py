@@ -77,8 +77,10 @@ class Client:
         ctx = tls.context() if tls is not None else None
         extra: dict[str, Any] = {}
         if tls is not None:
+            from ._tls import HANDSHAKE_TIMEOUT_S
+
             extra = {"ssl": ctx, "server_hostname": tls.server_name or host,
-                     "ssl_handshake_timeout": 10.0}
+                     "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S}
         try:
             stream = await capnp.AsyncIoStream.create_connection(host=host, port=port, **extra)
         except ssl.SSLError as exc:
