@@ -48,7 +48,18 @@ from .net import (
     take_dns_sockets,
 )
 from .pods import PodService, SuspendedForStop, VolumeService
-from .rpc import Cap, CapnpThread, capnp_thread, close_listeners, listen
+from .rpc import (
+    Cap,
+    CapnpThread,
+    ServerContexts,
+    ServerTls,
+    capnp_thread,
+    close_listeners,
+    is_loopback,
+    listen,
+    own_certificate,
+    pin_of,
+)
 from .rpc import serve as serve_interface
 from .vmm import MicroVms, choose_vmm, installed_guests
 
@@ -75,7 +86,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=Path("/run/feos"),
         help="the API socket api.sock and runtime state (default /run/feos)",
     )
-    p.add_argument("--tcp", metavar="ADDRESS", help="also serve the API on TCP, such as [::]:1337")
+    tcp = p.add_argument_group("the API on TCP (docs/api.md, \"TCP\")")
+    tcp.add_argument("--tcp", metavar="ADDRESS",
+                     help="also serve the API on TCP, such as [::]:1337: TLS with --tcp-client-ca, "
+                     "plain only on loopback or with --tcp-insecure")
+    tcp.add_argument("--tcp-client-ca", type=Path, metavar="FILE",
+                     help="serve --tcp over TLS 1.3 to clients whose certificate one of these CAs "
+                     "(PEM) issued, or, once the node has joined, the control plane's bundle")
+    tcp.add_argument("--tcp-cert", type=Path, metavar="FILE",
+                     help="the server's certificate chain (PEM) for --tcp (default: feosd's own, "
+                     "made once in <state-dir>/tls/, checked by its pin)")
+    tcp.add_argument("--tcp-key", type=Path, metavar="FILE", help="the key of --tcp-cert (PEM)")
+    tcp.add_argument("--tcp-insecure", action="store_true",
+                     help="serve --tcp plain, without authentication, on any address: whoever "
+                     "reaches it can do on the node what root can")
     p.add_argument("--disk-socket", type=Path, default=None, metavar="PATH",
                    help="diskd's socket, which serves the pods' disks (default "
                    "<state-dir>/disk/diskd.sock)")
@@ -135,6 +159,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             args.tcp_address = parse_tcp(args.tcp)
         except ValueError as exc:
             p.error(f"--tcp: {exc}")
+    problem = tcp_options_problem(args)
+    if problem is not None:
+        p.error(problem)
     if args.web is not None:
         from .web import parse_web_address
 
@@ -156,12 +183,53 @@ def parse_tcp(text: str) -> tuple[str, int]:
     return host.strip("[]") or "::", int(port)
 
 
+def tcp_options_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the TCP options together, naming the option; None if nothing."""
+    given = [name for name, value in (("--tcp-client-ca", args.tcp_client_ca),
+                                      ("--tcp-cert", args.tcp_cert), ("--tcp-key", args.tcp_key),
+                                      ("--tcp-insecure", args.tcp_insecure)) if value]
+    if args.tcp is None:
+        return f"{given[0]}: needs --tcp" if given else None
+    if (args.tcp_cert is None) != (args.tcp_key is None):
+        return ("--tcp-cert: needs --tcp-key" if args.tcp_key is None
+                else "--tcp-key: needs --tcp-cert")
+    if args.tcp_client_ca is None:
+        if args.tcp_cert is not None:
+            return "--tcp-cert: needs --tcp-client-ca (TLS asks every client for a certificate)"
+        if not args.tcp_insecure and not is_loopback(args.tcp_address[0]):
+            return (f"--tcp {args.tcp}: not a loopback address: needs --tcp-client-ca FILE "
+                    "(TLS with client certificates) or --tcp-insecure")
+    elif args.tcp_insecure:
+        return "--tcp-insecure: contradicts --tcp-client-ca"
+    return None
+
+
+def tcp_tls(args: argparse.Namespace, node_dir: Path) -> ServerContexts | None:
+    """The TCP listener's TLS (a bad file refuses the start), or None for a plain one, warned."""
+    if args.tcp_client_ca is None:
+        where = "this machine" if is_loopback(args.tcp_address[0]) else "the network"
+        log.warning("the API on TCP %s is plain, without authentication: anyone on %s who reaches "
+                    "it can do on the node what root can", args.tcp, where)
+        return None
+    cert, key = args.tcp_cert, args.tcp_key
+    if cert is None:
+        cert, key = own_certificate(args.state_dir / "tls")
+        log.info("the API on TCP: feosd's own certificate %s, pin %s (feosctl --tls-pin)",
+                 cert, pin_of(cert))
+    return ServerContexts(ServerTls(args.tcp_client_ca, cert, key, node_dir / "bundle.pem",
+                                    cert_option="--tcp-cert" if args.tcp_cert
+                                    else "feosd's own certificate",
+                                    key_option="--tcp-key" if args.tcp_key else "feosd's own key"))
+
+
 # -- listeners ---------------------------------------------------------------------------------
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on a socket whose proto says TCP,
+    # and without it every call waits 40 ms for a delayed ACK (Nagle's algorithm)
+    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if family == socket.AF_INET6:
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
@@ -192,6 +260,7 @@ class Daemon:
         self.network: Network | None = None
         self.state_dir: Path = args.state_dir
         self.run_dir: Path = args.run_dir
+        self.node_dir: Path = args.node_dir or self.state_dir / "node"
         self.volumes = VolumeService(self.state_dir)
         self.groups = SecurityGroupService(self.state_dir, in_use=self.pods_naming_group)
         self.names = NameTableService(self.state_dir, in_use=self.pods_naming_table)
@@ -310,6 +379,7 @@ class Daemon:
         lock_fd = await take_lock(self.state_dir / "feosd.lock")
         set_subreaper()
         vmm = await choose_vmm(self.args.vmm, self.state_dir)  # --vmm firecracker may refuse
+        tls = None if self.args.tcp is None else tcp_tls(self.args, self.node_dir)
         self.load()
         staged = None
         async with capnp_thread() as bridge, trio.open_nursery() as nursery:
@@ -335,9 +405,12 @@ class Daemon:
             await nursery.start(self.pods.run)
             self.bind(inherited)
             bootstrap = self.bootstrap(bridge)
-            socks = self.listeners.values()
-            servers = [await bridge.call(listen, sock, bootstrap) for sock in socks]
-            log.info("serving the API on %s", ", ".join(_where(s) for s in self.listeners.values()))
+            servers = [await bridge.call(listen, sock, bootstrap,
+                                         tls.listening if tls and name == "tcp" else None)
+                       for name, sock in self.listeners.items()]
+            log.info("serving the API on %s", ", ".join(
+                _where(sock) + (" (TLS)" if tls and name == "tcp" else "")
+                for name, sock in self.listeners.items()))
             if self.args.web is not None:
                 await nursery.start(self.serve_web, bridge)
             notify("READY=1")
@@ -359,7 +432,7 @@ class Daemon:
         from .fleet import EventBuffer, LinkConfig, Runtime, make_link
 
         args = self.args
-        node_dir = args.node_dir or self.state_dir / "node"
+        node_dir = self.node_dir
         cfg = LinkConfig(control_plane=args.control_plane, server_name=args.control_plane_name,
                          trust_domain=args.trust_domain, token_file=args.join_token_file,
                          node_dir=node_dir, name=socket.gethostname(), mesh_port=args.mesh_port,

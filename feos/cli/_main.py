@@ -18,7 +18,7 @@ from typing import Any
 import capnp
 
 from ..errors import Code, FeosError
-from ..rpc import Client
+from ..rpc import Client, is_socket_path
 from . import _commands
 from ._pods import ExitWith
 
@@ -40,6 +40,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("FEOS_SOCKET", DEFAULT_SOCKET),
         help=f"feosd's API: a socket path or HOST:PORT (default $FEOS_SOCKET or {DEFAULT_SOCKET})",
     )
+    tls = p.add_argument_group("TLS, for a HOST:PORT feosd serves with --tcp-client-ca")
+    for flag, env, text in (
+        ("--tls-cert", "FEOS_TLS_CERT", "this client's certificate chain (PEM): TLS on"),
+        ("--tls-key", "FEOS_TLS_KEY", "its key (PEM; default: in the --tls-cert file)"),
+        ("--tls-ca", "FEOS_TLS_CA", "the CAs (PEM) feosd's certificate is checked against "
+         "(default: the system's)"),
+        ("--tls-pin", "FEOS_TLS_PIN", "feosd's key's pin instead of a CA: the one feosd logs "
+         "for its own certificate"),
+        ("--tls-server-name", "FEOS_TLS_SERVER_NAME", "the name feosd's certificate must carry "
+         "(default: HOST)"),
+    ):
+        tls.add_argument(flag, default=os.environ.get(env) or None, metavar="VALUE",
+                         help=f"{text} (${env})")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     nouns = p.add_subparsers(dest="noun", required=True, metavar="NOUN")
     for register in _commands.NOUNS:
@@ -47,8 +60,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def client_tls(args: argparse.Namespace) -> Any:
+    """The TLS of the TCP connection (a ClientTls), or None for a plain one or a socket path."""
+    if is_socket_path(args.socket):
+        return None
+    if args.tls_cert is None:
+        for flag in ("tls_key", "tls_ca", "tls_pin", "tls_server_name"):
+            if getattr(args, flag) is not None:
+                raise _commands.UsageError(f"--{flag.replace('_', '-')}: needs --tls-cert "
+                                           "(feosd over TLS asks every client for a certificate)")
+        return None
+    if args.tls_pin is not None and args.tls_ca is not None:
+        raise _commands.UsageError("--tls-pin: contradicts --tls-ca (one way to check feosd)")
+    from pathlib import Path
+
+    from ..rpc import ClientTls
+
+    return ClientTls(Path(args.tls_cert), Path(args.tls_key) if args.tls_key else None,
+                     Path(args.tls_ca) if args.tls_ca else None, args.tls_pin,
+                     args.tls_server_name)
+
+
 async def _run(args: argparse.Namespace) -> int:
-    client = await Client.connect(args.socket)
+    client = await Client.connect(args.socket, client_tls(args))
     try:
         result = await args.handler(client, args)
     finally:

@@ -14,8 +14,6 @@ prefix and the last dot.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import os
 import time
@@ -28,18 +26,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from .._spki import spki_pin as spki_pin
 from ..errors import Code, FeosError
 from ..records import fsync_dir, write_whole
 
 TOKEN_PREFIX = "feos-join-"
 KEY, CHAIN, BUNDLE, NODE = "key.pem", "chain.pem", "bundle.pem", "node.json"
-
-
-def spki_pin(cert: x509.Certificate) -> str:
-    """The pin of a certificate's key: unpadded base64url of SHA-256 over its SPKI (DER)."""
-    spki = cert.public_key().public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    return base64.urlsafe_b64encode(hashlib.sha256(spki).digest()).rstrip(b"=").decode()
 
 
 @attrs.frozen

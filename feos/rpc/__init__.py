@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._client import SERVICES as SERVICES
 from ._client import Client as Client
+from ._client import is_socket_path as is_socket_path
 from ._client import raise_for_status as raise_for_status
 from ._client import translate as translate
 
@@ -24,12 +25,20 @@ if TYPE_CHECKING:
     from ._server import on_rpc_thread as on_rpc_thread
     from ._server import serve as serve
     from ._server import status_dict as status_dict
+    from ._tls import ClientTls as ClientTls
+    from ._tls import ServerContexts as ServerContexts
+    from ._tls import ServerTls as ServerTls
+    from ._tls import is_loopback as is_loopback
+    from ._tls import own_certificate as own_certificate
+    from ._tls import pin_of as pin_of
 
 _LAZY = {
     "CapnpThread": "_bridge", "capnp_thread": "_bridge",
     "Cap": "_server", "Released": "_server", "close_listeners": "_server",
     "listen": "_server", "on_rpc_thread": "_server", "serve": "_server",
     "status_dict": "_server",
+    "ClientTls": "_tls", "ServerContexts": "_tls", "ServerTls": "_tls", "is_loopback": "_tls",
+    "own_certificate": "_tls", "pin_of": "_tls",
 }  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import weakref
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol, cast, runtime_checkable
@@ -161,15 +162,24 @@ async def _accept(bootstrap: Callable[[], Any], stream: Any) -> None:
             server.close()
 
 
-async def listen(sock: socket.socket, bootstrap: Callable[[], Any]) -> asyncio.Server:
-    """On the Cap'n Proto thread: serve every connection on the listening socket `sock`."""
+async def listen(sock: socket.socket, bootstrap: Callable[[], Any],
+                 tls: ssl.SSLContext | None = None) -> asyncio.Server:
+    """On the Cap'n Proto thread: serve every connection on the listening socket `sock`.
+
+    With `tls`, a connection is served once its TLS handshake is done (asyncio's TLS): one that
+    fails the handshake, or takes longer than HANDSHAKE_TIMEOUT_S, is closed unserved."""
     import capnp
+
+    from ._tls import HANDSHAKE_TIMEOUT_S
 
     async def on_connect(stream: Any) -> None:
         await _accept(bootstrap, stream)
 
     if sock.family == socket.AF_UNIX:
         server = await capnp.AsyncIoStream.create_unix_server(on_connect, sock=sock)
+    elif tls is not None:
+        server = await capnp.AsyncIoStream.create_server(
+            on_connect, sock=sock, ssl=tls, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
     else:
         server = await capnp.AsyncIoStream.create_server(on_connect, sock=sock)
     return cast(asyncio.Server, server)
