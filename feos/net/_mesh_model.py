@@ -1,0 +1,230 @@
+"""The mesh's pure part: what mesh.pb holds, the peers' checks, and their changes (node.md).
+
+Theory of operation. `MeshState` is what the node knows of its cluster's mesh: the ULA and the
+node's prefix (JoinMesh's answer), the WireGuard port and public key, the version of the peers and
+the peers. The control plane changes the peers in two ways: `put` replaces them whole with a
+version (an older version than the node's is refused, the same one only with the same peers),
+`update` goes from the node's version to a later one by putting and removing peers (from any
+other version: FAILED_PRECONDITION). Every peer is checked before anything changes: a key of 32
+bytes, an endpoint ADDRESS:PORT, a prefix of /64 or /96 inside the ULA, none overlapping another
+or the node's own. `changes` says what the device must do to go from one set of peers to the
+next: remove those that went, set those that are new or changed; a peer that stays is left alone
+and keeps its session.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from feos.errors import Code, FeosError, invalid
+
+IPv6Net = ipaddress.IPv6Network
+PEER_LENGTHS = (64, 96)
+ULA_LENGTHS = (48, 64)
+NODE_LENGTHS = (64, 96)
+ULA = IPv6Net("fc00::/7")
+
+
+@attrs.frozen
+class Peer:
+    public_key: bytes
+    endpoint: tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
+    prefix: IPv6Net
+
+    def endpoint_text(self) -> str:
+        addr, port = self.endpoint
+        return f"[{addr}]:{port}" if addr.version == 6 else f"{addr}:{port}"
+
+    def key_text(self) -> str:
+        return base64.b64encode(self.public_key).decode()
+
+
+@attrs.frozen
+class MeshState:
+    ula: IPv6Net | None = None
+    node_prefix: IPv6Net | None = None
+    public_key: bytes = b""
+    port: int = 0
+    version: int = 0
+    peers: tuple[Peer, ...] = ()
+
+    def peer_map(self) -> dict[bytes, Peer]:
+        return {p.public_key: p for p in self.peers}
+
+
+@attrs.frozen
+class PeerChanges:
+    """What the device is told: these keys removed, these peers set (endpoint, one prefix)."""
+
+    remove: tuple[bytes, ...] = ()
+    set: tuple[Peer, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.remove or self.set)
+
+
+# --- parsing ----------------------------------------------------------------------------------
+
+
+def parse_endpoint(text: str, field: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address,
+                                                   int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise invalid(field, f"{text!r} is not ADDRESS:PORT ([ADDRESS]:PORT for IPv6)")
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        addr = ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        raise invalid(field, f"{text!r}: {host!r} is not an IP address") from None
+    if addr.version == 6 and not bracketed:
+        raise invalid(field, f"{text!r}: an IPv6 address goes in brackets")
+    if addr.is_unspecified or addr.is_multicast:
+        raise invalid(field, f"{text!r}: not an address a peer listens on")
+    return addr, int(port)
+
+
+def parse_prefix(text: str, field: str, lengths: Sequence[int]) -> IPv6Net:
+    try:
+        net = ipaddress.ip_network(text, strict=True)
+    except ValueError as e:
+        raise invalid(field, f"{text!r} is not a prefix without host bits ({e})") from None
+    if not isinstance(net, IPv6Net) or net.prefixlen not in lengths:
+        raise invalid(field, f"{text!r} must be an IPv6 /{' or /'.join(map(str, lengths))}")
+    return net
+
+
+def parse_key(value: Any, field: str) -> bytes:
+    key = bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else b""
+    if len(key) != 32:
+        raise invalid(field, f"a WireGuard public key is 32 bytes, not {len(key)}")
+    return key
+
+
+def parse_peer(data: Mapping[str, Any], field: str) -> Peer:
+    return Peer(parse_key(data.get("publicKey", b""), f"{field}.public_key"),
+                parse_endpoint(str(data.get("endpoint", "")), f"{field}.endpoint"),
+                parse_prefix(str(data.get("prefix", "")), f"{field}.prefix", PEER_LENGTHS))
+
+
+def parse_peers(items: Iterable[Mapping[str, Any]], field: str) -> tuple[Peer, ...]:
+    return tuple(parse_peer(p, f"{field}[{i}]") for i, p in enumerate(items))
+
+
+def check_peers(state: MeshState, peers: Sequence[Peer], field: str) -> None:
+    """Inside the ULA, one per key, no prefix overlapping another's or the node's own."""
+    if state.ula is None:
+        raise FeosError(Code.FAILED_PRECONDITION,
+                        "the node has no mesh yet: JoinMesh has not answered it")
+    seen: dict[bytes, int] = {}
+    taken: list[tuple[IPv6Net, str]] = []
+    if state.node_prefix is not None:
+        taken.append((state.node_prefix, "the node's own prefix"))
+    for i, peer in enumerate(peers):
+        where = f"{field}[{i}]"
+        if peer.public_key in seen:
+            first = seen[peer.public_key]
+            raise invalid(f"{where}.public_key", f"the same key as {field}[{first}]")
+        seen[peer.public_key] = i
+        if peer.public_key == state.public_key:
+            raise invalid(f"{where}.public_key", "is the node's own key")
+        if not peer.prefix.subnet_of(state.ula):
+            raise invalid(f"{where}.prefix", f"{peer.prefix} is outside the cluster's ULA "
+                                              f"{state.ula}")
+        for net, whose in taken:
+            if peer.prefix.overlaps(net):
+                raise invalid(f"{where}.prefix", f"{peer.prefix} overlaps {whose} {net}")
+        taken.append((peer.prefix, f"{where}'s"))
+
+
+# --- the changes ------------------------------------------------------------------------------
+
+
+def put(state: MeshState, version: int, peers: Sequence[Peer]) -> MeshState:
+    """The peers whole at `version`: older than the node's refused, the same only unchanged."""
+    if version < state.version:
+        raise FeosError(Code.FAILED_PRECONDITION,
+                        f"version {version} is older than the node's {state.version}")
+    check_peers(state, peers, "peers")
+    if version == state.version and set(peers) != set(state.peers):
+        raise FeosError(Code.FAILED_PRECONDITION,
+                        f"version {version} is the node's already, with other peers")
+    return attrs.evolve(state, version=version, peers=_sorted(peers))
+
+
+def update(state: MeshState, from_version: int, to_version: int, put_peers: Sequence[Peer],
+           remove: Sequence[bytes]) -> MeshState:
+    """From the node's version to a later one: `remove` taken out, `put_peers` set."""
+    if from_version != state.version:
+        raise FeosError(Code.FAILED_PRECONDITION,
+                        f"from_version {from_version} is not the node's version {state.version}")
+    if to_version <= from_version:
+        raise invalid("to_version", f"{to_version} must be later than from_version "
+                                    f"{from_version}")
+    peers = state.peer_map()
+    for i, key in enumerate(remove):
+        if peers.pop(parse_key(key, f"remove[{i}]"), None) is None:
+            raise FeosError(Code.FAILED_PRECONDITION,
+                            f"remove[{i}]: the node has no peer {base64.b64encode(key).decode()}")
+    for peer in put_peers:
+        peers[peer.public_key] = peer
+    merged = list(peers.values())
+    check_peers(state, merged, "peers")
+    return attrs.evolve(state, version=to_version, peers=_sorted(merged))
+
+
+def changes(old: Iterable[Peer], new: Iterable[Peer]) -> PeerChanges:
+    before = {p.public_key: p for p in old}
+    after = {p.public_key: p for p in new}
+    gone = tuple(sorted(k for k in before if k not in after))
+    setting = tuple(p for k, p in sorted(after.items()) if before.get(k) != p)
+    return PeerChanges(gone, setting)
+
+
+def _sorted(peers: Iterable[Peer]) -> tuple[Peer, ...]:
+    return tuple(sorted(peers, key=lambda p: p.public_key))
+
+
+# --- mesh.pb's dicts --------------------------------------------------------------------------
+
+
+def state_from_dict(data: Mapping[str, Any]) -> MeshState:
+    """mesh.pb as pycapnp's to_dict gives it; a record is trusted as it was checked when kept."""
+    ula = data.get("ula") or None
+    node = data.get("nodePrefix") or None
+    return MeshState(
+        ula=parse_prefix(ula, "mesh.ula", ULA_LENGTHS) if ula else None,
+        node_prefix=parse_prefix(node, "mesh.node_prefix", NODE_LENGTHS) if node else None,
+        public_key=bytes(data.get("publicKey", b"")),
+        port=int(data.get("port", 0)),
+        version=int(data.get("version", 0)),
+        peers=parse_peers(data.get("peers", []), "mesh.peers"),
+    )
+
+
+def peer_to_dict(peer: Peer) -> dict[str, Any]:
+    return {"publicKey": peer.public_key, "endpoint": peer.endpoint_text(),
+            "prefix": str(peer.prefix)}
+
+
+def state_to_dict(state: MeshState) -> dict[str, Any]:
+    return {"ula": str(state.ula or ""), "nodePrefix": str(state.node_prefix or ""),
+            "publicKey": state.public_key, "port": state.port, "version": state.version,
+            "peers": [peer_to_dict(p) for p in state.peers]}
+
+
+def joined(state: MeshState, answer: Mapping[str, Any]) -> MeshState:
+    """JoinMesh's answer taken: the ULA and the node's prefix, checked; the peers kept."""
+    ula = parse_prefix(str(answer.get("ula", "")), "JoinMesh's ula", ULA_LENGTHS)
+    node = parse_prefix(str(answer.get("prefix", "")), "JoinMesh's prefix", NODE_LENGTHS)
+    if not ula.subnet_of(ULA):
+        raise invalid("JoinMesh's ula", f"{ula} is not a unique local prefix (fc00::/7)")
+    if not node.subnet_of(ula):
+        raise invalid("JoinMesh's prefix", f"{node} is outside the cluster's ULA {ula}")
+    return attrs.evolve(state, ula=ula, node_prefix=node,
+                        public_key=bytes(answer.get("publicKey", state.public_key)),
+                        port=int(answer.get("port", state.port)))
