@@ -210,7 +210,7 @@ def set_routes(ipr: Any, ula: ipaddress.IPv6Network, own: ipaddress.IPv6Network)
     other routes to feos-mesh, the unreachable ones in the ULA's /48 but the node's own."""
     index = _index(ipr)
     ipr.route("replace", dst=str(ula), oif=index, family=socket.AF_INET6,
-              metrics={"attrs": [["RTAX_MTU", MTU]]})
+              metrics={"mtu": MTU})
     global_id = ula.supernet(new_prefix=48) if ula.prefixlen > 48 else ula
     for route in ipr.get_routes(family=socket.AF_INET6, table=MAIN_TABLE):
         dst = ipaddress.IPv6Network(f"{route.get_attr('RTA_DST') or '::'}/{route['dst_len']}")
