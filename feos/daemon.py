@@ -420,7 +420,7 @@ class Daemon:
         from .web import Api, serve_console
 
         services = {"pods": self.pods, "volumes": self.volumes, "securityGroups": self.groups,
-                    "names": self.names}
+                    "names": self.names, "mesh": self.mesh}
         api = Api(services, bridge, vms=self.vms)
         await serve_console(api, self.state_dir, self.args.web_address, task_status=task_status)
 

@@ -213,6 +213,7 @@ class UapiDevice:
         deadline = time.monotonic() + START_WITHIN_S
         while not self.socket_path.exists():
             if time.monotonic() > deadline or not _alive(self.pid):
+                self.stop()
                 tail = _tail(self.dir / "wireguard-go.log")
                 raise FeosError(Code.UNAVAILABLE, f"wireguard-go did not start: {tail}")
             time.sleep(0.02)
