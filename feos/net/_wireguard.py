@@ -102,7 +102,7 @@ def uapi_set(changes: PeerChanges, *, private_key: bytes | None = None,
         lines += [f"public_key={key.hex()}", "remove=true"]
     for peer in changes.set:
         lines += [f"public_key={peer.public_key.hex()}", f"endpoint={peer.endpoint_text()}",
-                  "replace_allowed_ips=true", f"allowed_ip={peer.prefix}"]
+                  "replace_allowed_ips=true", f"allowed_ip={peer.prefix_text()}"]
     return "\n".join(lines) + "\n\n"
 
 

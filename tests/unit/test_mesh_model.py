@@ -154,3 +154,22 @@ def test_state_round_trip() -> None:
     state = m.put(STATE, 7, [peer(2), peer(3, endpoint="[2001:db8::3]:51821")])
     assert m.state_from_dict(m.state_to_dict(state)) == state
     assert state.peers[1].endpoint_text() == "[2001:db8::3]:51821"
+
+
+@given(st.lists(st.tuples(st.sampled_from([64, 96]), st.integers(0, 6)), max_size=12))
+def test_overlaps_found_as_pairwise_would(picks: list[tuple[int, int]]) -> None:
+    wide = m.MeshState(ula=ipaddress.IPv6Network("fd12:3456:789a::/48"),
+                       node_prefix=ipaddress.IPv6Network("fd12:3456:789a:1:0:1::/96"))
+    nets = [ipaddress.IPv6Network((int(wide.ula.network_address) + (n << 64 if ln == 64 else
+                                                                     (1 << 64) + (n << 32)), ln))
+            for ln, n in picks]
+    peers = [m.Peer(bytes([i + 2]) * 32, peer(0).endpoint, net) for i, net in enumerate(nets)]
+    everything = [*nets, wide.node_prefix]
+    pairwise = any(a.overlaps(b) for i, a in enumerate(everything) for b in everything[i + 1:])
+    try:
+        m.check_peers(wide, peers, "peers")
+        found = False
+    except FeosError as e:
+        assert e.code == Code.INVALID_ARGUMENT and "overlaps" in e.message
+        found = True
+    assert found == pairwise
