@@ -27,6 +27,7 @@ import trio
 from _netpods import POD_PORT, block, create_pods, in_pod_connect, in_pod_get, pod_spec, rule
 from podnet import IMAGE, PodNet, sh
 
+from feos.net import UapiDevice
 from feos.net._table import NftLoader, drop_counts
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
@@ -200,21 +201,6 @@ def test_a_restart_of_feosd_keeps_the_mesh_and_its_sessions(mesh: Mesh) -> None:
 
 
 def last_handshake(net: PodNet) -> int:
-    out = _uapi_get(net.feosd.run_dir / "mesh" / "feos-mesh.sock")
-    return max((int(line.split("=")[1]) for line in out.splitlines()
-                if line.startswith("last_handshake_time_sec=")), default=0)
-
-
-def _uapi_get(sock: Path) -> str:
-    import socket
-
-    with socket.socket(socket.AF_UNIX) as s:
-        s.connect(str(sock))
-        s.sendall(b"get=1\n\n")
-        got = b""
-        while not got.endswith(b"\n\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            got += chunk
-    return got.decode()
+    """The peer's last handshake, as wireguard-go's UAPI socket says it (feos.net's reader)."""
+    device = UapiDevice(net.feosd.run_dir / "mesh")
+    return max((p.last_handshake_s for p in device.read().peers), default=0)
