@@ -9,6 +9,7 @@ each finds its mesh endpoint as the address it reaches the control plane from (1
 
 - SERVER on B, group "web": HTTP on 8080, let in from the cluster's ULA on 8080 only.
 - CLIENT on A, group "client": out to the ULA on 8080 (and 8081, which web does not let in).
+Both reach IPv4 (the registry their guests pull from), masqueraded as on any node.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ ULA = "fd12:3456:789a:1::/64"
 UNDER = {"a": "10.88.0.1", "b": "10.88.0.2"}
 OTHER_PORT = 8081
 DROPPED = "nc: timed out"
+IPV4_OUT = [rule("any", block("0.0.0.0/0"))]  # the registry, which the guests pull from
 GROUPS = {
-    "a": {"id": "client", "rulesIn": [],
-          "rulesOut": [rule("tcp", block(ULA), POD_PORT), rule("tcp", block(ULA), OTHER_PORT)]},
-    "b": {"id": "web", "rulesIn": [rule("tcp", block(ULA), POD_PORT)], "rulesOut": []},
+    "a": {"id": "client", "rulesIn": [], "rulesOut": [
+        rule("tcp", block(ULA), POD_PORT), rule("tcp", block(ULA), OTHER_PORT), *IPV4_OUT]},
+    "b": {"id": "web", "rulesIn": [rule("tcp", block(ULA), POD_PORT)], "rulesOut": IPV4_OUT},
 }
 
 
