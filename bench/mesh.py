@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from feos.net import Mesh, UapiDevice
 
-ROUNDS = 5
+ROUNDS = 7
 SECONDS = 4
 PEERS = 1000
 ULA = ip.IPv6Network("fd12:3456:789a:1::/64")
@@ -79,9 +79,9 @@ async def feosd_mesh(names: dict[str, str], root: Path) -> list[Mesh]:
     return list(meshes.values())
 
 
-def hand_made(names: dict[str, str], root: Path) -> list[subprocess.Popen[bytes]]:
+def hand_made(names: dict[str, str], root: Path, procs: list[subprocess.Popen[bytes]]) -> None:
     """wireguard-go and wg(8), as an operator would set them up (a device name each: their
-    UAPI sockets share /run/wireguard)."""
+    UAPI sockets share /run/wireguard); its processes in `procs`, ended by the caller."""
     tag = secrets.token_hex(3)
     devs = {n: f"wg{n}{tag}" for n in names}
     keys = {}
@@ -90,7 +90,6 @@ def hand_made(names: dict[str, str], root: Path) -> list[subprocess.Popen[bytes]
         keys[n] = (private, subprocess.run(["wg", "pubkey"], input=private, capture_output=True,
                                            text=True, check=True).stdout.strip())
         (root / f"{n}.key").write_text(private + "\n")
-    procs = []
     env = dict(os.environ, WG_I_PREFER_BUGGY_USERSPACE_TO_POLISHED_KMOD="1", LOG_LEVEL="error")
     for n, ns in names.items():
         procs.append(subprocess.Popen(["ip", "netns", "exec", ns, "wireguard-go", "-f", devs[n]],
@@ -108,7 +107,6 @@ def hand_made(names: dict[str, str], root: Path) -> list[subprocess.Popen[bytes]
            "allowed-ips", str(PREFIX[other]))
         sh("ip", "-n", ns, "link", "set", dev, "mtu", "1420", "up")
         sh("ip", "-n", ns, "-6", "route", "add", str(ULA), "dev", dev)
-    return procs
 
 
 def iperf(names: dict[str, str]) -> float:
@@ -135,7 +133,7 @@ def throughput_part(root: Path) -> tuple[list[str], list[str]]:
         meshes = trio.run(feosd_mesh, feos, root / "feos")
         hand = pair("h")
         made += hand.values()
-        procs = hand_made(hand, root)
+        hand_made(hand, root, procs)
         got: dict[str, list[float]] = {"mesh": [], "hand": []}
         for r in range(ROUNDS):  # in turn, each first every other round
             for which in (("mesh", "hand") if r % 2 == 0 else ("hand", "mesh")):
