@@ -2,16 +2,18 @@
 set up by hand with wg(8), (2) an UpdateMeshPeers of one peer with 1,000 present against a
 PutMeshPeers of 1,000.
 
-(1) Two pairs of throwaway namespaces (feosbench-*), each pair joined by a veth underlay. In the
-first, feos.net's Mesh makes and configures feos-mesh on each side as feosd does (JoinMesh's
-answer, then the other side as the one peer); in the second, wireguard-go is started and set up
-by hand (`wg set`, `ip addr`, `ip route`) with the same keys' kind, port and prefixes. iperf3
-runs between an address of each side's /96 for 4 s, the two setups in turn, ROUNDS times; the
-medians are compared.
+(1) Two pairs of throwaway namespaces (feosbench-*), each pair joined by a veth underlay. In
+one, feos.net's Mesh makes and configures feos-mesh on each side as feosd does (JoinMesh's
+answer, then the other side as the one peer); in the other, wireguard-go is started and set up
+by hand (`wg set`, `ip link`, `ip route`) with the same kind of keys, MTU and prefixes. iperf3
+runs between an address of each side's /96 for 4 s, the two setups in turn, ROUNDS times, in two
+sessions: one with feosd's setup made first, one with the hand-made one first (on this machine
+the setup made first measures slower, whichever it is). The medians are compared.
 
 (2) One Mesh in a namespace with 1,000 peers: a PutMeshPeers of 1,000 new peers (from none)
-beside an UpdateMeshPeers that changes one peer's endpoint, each timed whole as a call takes it
-(the checks, mesh.pb written and synced, the device told), median of ROUNDS.
+beside an UpdateMeshPeers that changes one peer's endpoint a second later (not in the write-back
+of the put's own write), each timed whole as a call takes it (the checks, mesh.pb written and
+synced, the device told), median of ROUNDS.
 
 Run as root: .venv/bin/python bench/mesh.py. The last lines are the `ratio ...` lines.
 """
@@ -35,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from feos.net import Mesh, UapiDevice
 
-ROUNDS = 7
+ROUNDS = 5
 SECONDS = 4
 PEERS = 1000
 ULA = ip.IPv6Network("fd12:3456:789a:1::/64")
@@ -84,6 +86,7 @@ def hand_made(names: dict[str, str], root: Path, procs: list[subprocess.Popen[by
     UAPI sockets share /run/wireguard); its processes in `procs`, ended by the caller."""
     tag = secrets.token_hex(3)
     devs = {n: f"wg{n}{tag}" for n in names}
+    root.mkdir(parents=True, exist_ok=True)
     keys = {}
     for n in names:
         private = sh("wg", "genkey").strip()
@@ -123,21 +126,27 @@ def iperf(names: dict[str, str]) -> float:
         server.wait(10)
 
 
-def throughput_part(root: Path) -> tuple[list[str], list[str]]:
+def session(root: Path, *, feos_first: bool, rounds: int) -> dict[str, list[float]]:
+    """Both setups made (in the order asked), then measured in turn, each first every other
+    round. The setup made first measures slower here whichever it is (two feosd setups side by
+    side differ as much): the caller runs a session of each order."""
     made: list[str] = []
     procs: list[subprocess.Popen[bytes]] = []
     meshes: list[Mesh] = []
+    names: dict[str, dict[str, str]] = {}
     try:
-        feos = pair("m")
-        made += feos.values()
-        meshes = trio.run(feosd_mesh, feos, root / "feos")
-        hand = pair("h")
-        made += hand.values()
-        hand_made(hand, root, procs)
+        for which in (("mesh", "hand") if feos_first else ("hand", "mesh")):
+            names[which] = pair(which[0])
+            made += names[which].values()
+            if which == "mesh":
+                meshes = trio.run(feosd_mesh, names[which], root / "feos")
+            else:
+                hand_made(names[which], root, procs)
         got: dict[str, list[float]] = {"mesh": [], "hand": []}
-        for r in range(ROUNDS):  # in turn, each first every other round
+        for r in range(rounds):
             for which in (("mesh", "hand") if r % 2 == 0 else ("hand", "mesh")):
-                got[which].append(iperf(feos if which == "mesh" else hand))
+                got[which].append(iperf(names[which]))
+        return got
     finally:
         for m in meshes:
             assert isinstance(m.device, UapiDevice)
@@ -147,8 +156,17 @@ def throughput_part(root: Path) -> tuple[list[str], list[str]]:
             p.wait(10)
         for ns in made:
             sh("ip", "netns", "delete", ns, check=False)
+
+
+def throughput_part(root: Path) -> tuple[list[str], list[str]]:
+    got: dict[str, list[float]] = {"mesh": [], "hand": []}
+    for n, feos_first in enumerate((True, False)):
+        part = session(root / str(n), feos_first=feos_first, rounds=ROUNDS)
+        for which in got:
+            got[which] += part[which]
     mesh, hand_bps = statistics.median(got["mesh"]), statistics.median(got["hand"])
-    lines = [f"TCP over feos-mesh (feosd's setup): {mesh / 1e6:.0f} Mbit/s (median of {ROUNDS})",
+    lines = [f"TCP over feos-mesh (feosd's setup): {mesh / 1e6:.0f} Mbit/s (median of "
+             f"{len(got['mesh'])})",
              f"TCP over wireguard-go set up with wg(8): {hand_bps / 1e6:.0f} Mbit/s"]
     return lines, [f"ratio mesh / hand-made wireguard-go: {mesh / hand_bps:.3f} (target >= 0.9)"]
 
@@ -174,6 +192,7 @@ async def peers_part_async(root: Path, ns: str) -> tuple[list[str], list[str]]:
             await mesh.put_mesh_peers({"version": version, "peers": [peer(n) for n in
                                                                       range(PEERS)]})
             puts.append(time.perf_counter() - began)
+            await trio.sleep(1)  # the put's writes written back: an update with 1,000 present
             began = time.perf_counter()
             await mesh.update_mesh_peers({"fromVersion": version, "toVersion": version + 1,
                                           "put": [peer(r * 7, 51900 + r)]})

@@ -293,10 +293,9 @@ def _is_wireguard_go(pid: int) -> bool:
 
 
 def _wait_gone(pid: int, within: float) -> None:
+    """Until the process is gone (or a zombie of another's); a child of ours is reaped."""
     deadline = time.monotonic() + within
-    while _is_wireguard_go(pid) and time.monotonic() < deadline:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
+    while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.02)
 
 
