@@ -20,7 +20,8 @@ from feos.errors import Code, FeosError
 from feos.net._mesh import Mesh
 from feos.net._nft import NodeFacts, compile_table
 from feos.net._table import NftLoader, TableWriter, drop_counts
-from feos.net._wireguard import GenlDevice, UapiDevice, kernel_has_wireguard
+from feos.net._wireguard import UapiDevice, kernel_has_wireguard
+from feos.net._wireguard_genl import GenlDevice
 
 ULA = ip.IPv6Network("fd12:3456:789a:1::/64")
 PREFIX = {"a": ip.IPv6Network("fd12:3456:789a:1:0:1::/96"),

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from pyroute2.netlink.generic.wireguard import AsyncWireGuard, wgmsg
 
 from feos.net import _wireguard as wg
+from feos.net import _wireguard_genl as genl
 from feos.net._mesh_model import Peer, PeerChanges
 
 HEADER = 16  # nlmsghdr, which pyroute2 encodes and the backend adds when it sends
@@ -22,7 +23,7 @@ HEADER = 16  # nlmsghdr, which pyroute2 encodes and the backend adds when it sen
 def pyroute2_payload(ifname: str, *, private_key: bytes | None = None, port: int | None = None,
                      peer: dict[str, object] | None = None) -> bytes:
     msg = wgmsg()
-    msg["cmd"], msg["version"] = wg.WG_CMD_SET_DEVICE, wg.WG_GENL_VERSION
+    msg["cmd"], msg["version"] = genl.WG_CMD_SET_DEVICE, genl.WG_GENL_VERSION
     msg["attrs"].append(["WGDEVICE_A_IFNAME", ifname])
     if private_key is not None:
         msg["attrs"].append(["WGDEVICE_A_PRIVATE_KEY", base64.b64encode(private_key).decode()])
@@ -57,19 +58,19 @@ peers = st.builds(
 
 @given(keys, st.integers(1, 65535))
 def test_the_devices_key_and_port_as_pyroute2_encodes_them(key: bytes, port: int) -> None:
-    (ours,) = wg.genl_set_messages("feos-mesh", PeerChanges(), private_key=key, port=port)
+    (ours,) = genl.genl_set_messages("feos-mesh", PeerChanges(), private_key=key, port=port)
     assert ours == pyroute2_payload("feos-mesh", private_key=key, port=port)
 
 
 @given(peers)
 def test_a_set_peer_as_pyroute2_encodes_it(peer: Peer) -> None:
-    (ours,) = wg.genl_set_messages("feos-mesh", PeerChanges(set=(peer,)))
+    (ours,) = genl.genl_set_messages("feos-mesh", PeerChanges(set=(peer,)))
     assert ours == pyroute2_payload("feos-mesh", peer=as_pyroute2(peer))
 
 
 @given(keys)
 def test_a_removed_peer_as_pyroute2_encodes_it(key: bytes) -> None:
-    (ours,) = wg.genl_set_messages("feos-mesh", PeerChanges(remove=(key,)))
+    (ours,) = genl.genl_set_messages("feos-mesh", PeerChanges(remove=(key,)))
     assert ours == pyroute2_payload("feos-mesh", peer=as_pyroute2(key))
 
 
@@ -77,7 +78,7 @@ def _peers_attribute(payload: bytes) -> bytes:
     at = 4
     while at < len(payload):
         length, kind = struct.unpack_from("=HH", payload, at)
-        if kind & 0x3FFF == wg.WGDEVICE_A_PEERS:
+        if kind & 0x3FFF == genl.WGDEVICE_A_PEERS:
             return payload[at + 4:at + length]
         at += (length + 3) & ~3
     raise AssertionError("no WGDEVICE_A_PEERS")
@@ -87,8 +88,8 @@ def _peers_attribute(payload: bytes) -> bytes:
 def test_many_peers_go_in_one_peers_attribute_per_message(many: list[Peer]) -> None:
     """pyroute2 repeats WGDEVICE_A_PEERS per peer, of which the kernel reads the last alone: the
     backend nests them in one, each peer as pyroute2 encodes it, 32 to a message."""
-    got = wg.genl_set_messages("feos-mesh", PeerChanges(set=tuple(many)))
-    assert len(got) == -(-len(many) // wg.PEERS_PER_MESSAGE)
+    got = genl.genl_set_messages("feos-mesh", PeerChanges(set=tuple(many)))
+    assert len(got) == -(-len(many) // genl.PEERS_PER_MESSAGE)
     nested = b"".join(_peers_attribute(m) for m in got)
     expected = b"".join(_peers_attribute(pyroute2_payload("feos-mesh", peer=as_pyroute2(p)))
                         for p in many)
