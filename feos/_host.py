@@ -62,6 +62,7 @@ class HostService:
         versions: Callable[[], dict[str, Any]],
         vmm: Callable[[], dict[str, Any]] | None = None,
         control_plane: Callable[[], dict[str, Any]] | None = None,
+        mesh_device: Callable[[], str] | None = None,
     ) -> None:
         self._state_dir = state_dir
         self._self_upgrade = self_upgrade
@@ -70,6 +71,7 @@ class HostService:
         self._versions = versions
         self._vmm = vmm or (lambda: {})
         self._control_plane = control_plane or (lambda: {"configured": False})
+        self._mesh_device = mesh_device or (lambda: "")
         self._started = time.time_ns()
 
     async def get_host_info(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -84,6 +86,7 @@ class HostService:
                 "version": version,
                 "selfUpgrade": self._self_upgrade,
                 "vmm": self._vmm(),
+                "meshDevice": self._mesh_device(),
             }
         }
 

@@ -39,8 +39,10 @@ from .disk import Diskd
 from .errors import FeosError
 from .net import (
     DnsSockets,
+    Mesh,
     NameTableService,
     Network,
+    NoMesh,
     SecurityGroupService,
     add_network_arguments,
     network_options_from_args,
@@ -272,7 +274,9 @@ class Daemon:
             versions=self.versions,
             vmm=self.vmm_info,
             control_plane=self.control_plane_info,
+            mesh_device=lambda: self.mesh.kind,
         )
+        self.mesh = self._mesh()
         self.link: Link | None = None
         self.listeners: dict[str, socket.socket] = {}
         self.handover: dict[str, int] = {}
@@ -282,6 +286,14 @@ class Daemon:
         self.stop_record = SuspendedForStop(self.state_dir / "suspended-for-stop.json",
                                             control_plane=args.control_plane is not None)
         self._upgrade_send, self._upgrade_receive = trio.open_memory_channel[Path](1)
+
+    def _mesh(self) -> Mesh | NoMesh:
+        """On a mesh: a node with --control-plane and without --pod-prefix."""
+        args = self.args
+        if args.control_plane is None or args.network.pod_prefix is not None:
+            return NoMesh()
+        node_dir = args.node_dir or self.state_dir / "node"
+        return Mesh(node_dir / "mesh", self.run_dir, args.mesh_port)
 
     def pods_naming_group(self, group_id: str) -> list[str]:
         return self.pods.pods_naming_group(group_id) if self.pods is not None else []
@@ -328,7 +340,7 @@ class Daemon:
         """The API's services by the bootstrap's names: the socket's and the node connections'."""
         return {"volumes": self.volumes, "securityGroups": self.groups, "names": self.names,
                 "host": self.host, "pods": self.pods,
-                "traffic": self.network.traffic if self.network else object(), "mesh": object()}
+                "traffic": self.network.traffic if self.network else object(), "mesh": self.mesh}
 
     def bootstrap(self, bridge: CapnpThread) -> Any:
         pod, vol, net, host, api = (
@@ -399,7 +411,8 @@ class Daemon:
             self.volumes.disks = self.pods.disks
             self.pods.load()
             self.network = Network(self.args.network, self.state_dir, self.pods, self.groups,
-                                   self.names, dns_sockets=self.dns_sockets)
+                                   self.names, dns_sockets=self.dns_sockets,
+                                   mesh=self.mesh if isinstance(self.mesh, Mesh) else None)
             await nursery.start(self.network.run)
             self.pods.attach_network(self.network)
             await nursery.start(self.pods.run)
@@ -439,7 +452,8 @@ class Daemon:
                          mesh_address=args.mesh_address,
                          pod_prefix=args.network.pod_prefix is not None)
         runtime = Runtime(pods=self.pods, host=self.host, events=EventBuffer(),
-                          mesh_dir=node_dir / "mesh")
+                          mesh_dir=node_dir / "mesh",
+                          take_mesh=self.network.take_mesh if self.network else None)
         await nursery.start(runtime.run)
         self.link = make_link(cfg, runtime, self.services(), trio.lowlevel.current_trio_token(),
                               bridge=bridge)
@@ -479,7 +493,7 @@ class Daemon:
         from .web import Api, serve_console
 
         services = {"pods": self.pods, "volumes": self.volumes, "securityGroups": self.groups,
-                    "names": self.names}
+                    "names": self.names, "mesh": self.mesh}
         api = Api(services, bridge, vms=self.vms)
         await serve_console(api, self.state_dir, self.args.web_address, task_status=task_status)
 

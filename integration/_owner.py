@@ -158,6 +158,12 @@ class Owner:
         self._add(path, lambda: _end_microvms(path))
         return path
 
+    def run_dir(self, path: Path) -> Path:
+        """A feosd run directory: the mesh's wireguard-go (which outlives feosd by design)
+        killed at the close."""
+        self._add(path, lambda: _end_wireguard_go(path))
+        return path
+
     def disk_state(self, path: Path) -> Path:
         """A diskd state directory: its exports (qemu-storage-daemon processes of their own
         session, outliving diskd by design) killed and their FUSE mounts gone at the close."""
@@ -204,6 +210,13 @@ def _delete_netns(name: str) -> None:
 def _end_microvms(state_dir: Path) -> None:
     for pid in qemu_pids(state_dir).values():
         kill_and_wait(pid)
+
+
+def _end_wireguard_go(run_dir: Path) -> None:
+    with contextlib.suppress(ValueError, OSError):
+        pid = int((run_dir / "mesh" / "wireguard-go.pid").read_text().split()[0])
+        if b"wireguard-go" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            kill_and_wait(pid)
 
 
 def _end_exports(state_dir: Path) -> None:

@@ -29,8 +29,10 @@ BIN = Path(sys.executable).parent
 
 
 class Feosd:
-    def __init__(self, root: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, root: Path, *args: str, env: dict[str, str] | None = None,
+                 netns: str | None = None) -> None:
         self.root = root
+        self.netns = netns  # feosd runs in it (ip netns exec), diskd where the test runs
         self.state_dir = root / "state"
         self.run_dir = root / "run"
         self.socket = self.run_dir / "api.sock"
@@ -40,6 +42,7 @@ class Feosd:
         self.log = root / "feosd.log"
         self.program = [str(BIN / "feosd")]
         OWNER.state_dir(self.state_dir)  # its microVMs end with the test run at the latest
+        OWNER.run_dir(self.run_dir)  # and its mesh's wireguard-go
         self.diskd = DiskdProc(self.state_dir / "disk", env=env, log=root / "diskd.log")
 
     def command(self) -> list[str]:
@@ -50,6 +53,8 @@ class Feosd:
         """Start the process without waiting for it to serve."""
         self.root.mkdir(parents=True, exist_ok=True)
         log = open(self.log, "ab")
+        if prefix is None and self.netns is not None:
+            prefix = ["ip", "netns", "exec", self.netns]
         self.proc = OWNER.popen([*(prefix or []), *self.command()], stdout=log,
                                 stderr=subprocess.STDOUT, env=self.env)
         log.close()
@@ -107,6 +112,7 @@ class Feosd:
     def close(self) -> None:
         self.kill()
         self.diskd.kill()
+        OWNER.done(self.run_dir)  # the mesh's wireguard-go, which outlives feosd by design
 
     def __enter__(self) -> Feosd:
         return self

@@ -88,29 +88,39 @@ def install_guest() -> None:
 
 
 class PodNet:
-    def __init__(self, root: Path, *feosd_args: str, dns: bool = True) -> None:
+    def __init__(self, root: Path, *feosd_args: str, dns: bool = True,
+                 pod_prefix: str | None = PREFIX, hostname: str | None = None) -> None:
+        """`pod_prefix` None: no --pod-prefix (a node on a mesh); `hostname`: feosd's own
+        (a UTS namespace of its own), so that two nodes on this machine have two names."""
         self.root = root
+        self.pod_prefix = pod_prefix
+        self.wrap = (["unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"', hostname]
+                     if hostname else [])
         tag = secrets.token_hex(3)
         self.node_ns, self.inet_ns = f"feos-node-{tag}", f"feos-inet-{tag}"
         self.image = IMAGE
         self.dns = dns
         self._procs: list[subprocess.Popen[bytes]] = []
         self._made: list[str] = []
-        args = ["--pod-prefix", PREFIX, "--pod-ipv4-range", IPV4_RANGE]
+        args = ["--pod-ipv4-range", IPV4_RANGE]
+        if pod_prefix is not None:
+            args = ["--pod-prefix", pod_prefix, *args]
         if dns:
             args += ["--dns-upstream", RESOLVER_V4]
         self.feosd = Feosd(root / "node", *args, *feosd_args)
 
     # -- setting up ------------------------------------------------------------------------
 
-    def start(self) -> PodNet:
+    def start(self, *, feosd: bool = True) -> PodNet:
+        """Everything; `feosd` False: all but feosd, for a caller that adds to its arguments."""
         try:
             install_guest()
             self._namespaces()
             self._registry()
             if self.dns:
                 self._dnsmasq()
-            self.start_feosd()
+            if feosd:
+                self.start_feosd()
         except BaseException:
             self.close()
             raise
@@ -140,7 +150,8 @@ class PodNet:
         sh(*inet, "link", "set", "node0", "up")
         sh(*node, "route", "add", "default", "via", GATEWAY_V4)
         sh(*node, "-6", "route", "add", "default", "via", GATEWAY_V6)
-        sh(*inet, "-6", "route", "add", PREFIX, "via", NODE_V6)
+        if self.pod_prefix is not None:
+            sh(*inet, "-6", "route", "add", self.pod_prefix, "via", NODE_V6)
 
     def _registry(self) -> None:
         directory = self.root / "registry"
@@ -197,7 +208,7 @@ class PodNet:
 
     def start_feosd(self, timeout: float = 60) -> Feosd:
         """Start (or start again) feosd in the node namespace and wait until it serves."""
-        self.feosd.start(timeout, prefix=["ip", "netns", "exec", self.node_ns])
+        self.feosd.start(timeout, prefix=["ip", "netns", "exec", self.node_ns, *self.wrap])
         return self.feosd
 
     def kill_feosd(self) -> None:

@@ -7,15 +7,18 @@ boots (the reports list no pods), so these need no VM lock.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _owner import OWNER
 from feosd_proc import Feosd
 
 from feos.fleet._nodeconn import stop_message
@@ -29,8 +32,18 @@ NAME = socket.gethostname()
 
 
 @pytest.fixture
-def cp(tmp_path: Path) -> Iterator[ControlPlane]:
-    with ControlPlane(tmp_path / "cp") as plane:
+def ns() -> Iterator[str]:
+    """Each test's control plane and feosd in a network namespace of their own: feosd there is
+    on a mesh (--control-plane without --pod-prefix), whose device and routes stay in it."""
+    name = OWNER.netns(f"feostest-fleet-{secrets.token_hex(3)}")
+    subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+    yield name
+    OWNER.done(name)
+
+
+@pytest.fixture
+def cp(tmp_path: Path, ns: str) -> Iterator[ControlPlane]:
+    with ControlPlane(tmp_path / "cp", netns=ns) as plane:
         yield plane
 
 
@@ -39,7 +52,7 @@ def node(tmp_path: Path, cp: ControlPlane, token: str, *extra: str, **env: str) 
     token_file.write_text(token + "\n")
     return Feosd(tmp_path / "node", "--control-plane", cp.address, "--control-plane-name",
                  cp.ca.server_name, "--join-token-file", str(token_file), *extra,
-                 env={"FEOSD_TEST_HOOKS": "1", **env})
+                 env={"FEOSD_TEST_HOOKS": "1", **env}, netns=cp.netns)
 
 
 def kinds(cp: ControlPlane) -> list[str]:
@@ -126,11 +139,11 @@ def test_the_same_key_after_a_restart_and_no_second_join(tmp_path: Path, cp: Con
         assert len({e["startId"] for e in cp.events}) == 2
 
 
-def test_a_failed_join_is_tried_again_with_the_same_key(tmp_path: Path) -> None:
+def test_a_failed_join_is_tried_again_with_the_same_key(tmp_path: Path, ns: str) -> None:
     with socket.socket() as s:  # a port nothing listens on, until the control plane starts
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cp = ControlPlane(tmp_path / "cp", port=port)
+    cp = ControlPlane(tmp_path / "cp", port=port, netns=ns)
     with node(tmp_path, cp, cp.token()).start() as feosd:
         key_file = feosd.state_dir / "node" / "key.pem"
         cp.wait_for(lambda: "the join: UNAVAILABLE" in feosd.log_text(), why="a failed join")
@@ -163,8 +176,9 @@ def test_a_wrong_pin_sends_no_secret(tmp_path: Path, cp: ControlPlane) -> None:
         assert feosd.ctl("host", "info").returncode == 0  # the node serves on
 
 
-def test_a_wrong_uri_sends_no_secret(tmp_path: Path) -> None:
-    with ControlPlane(tmp_path / "cp", ca=TestCA(server_uris=["spiffe://feos.local/other"])) as cp:
+def test_a_wrong_uri_sends_no_secret(tmp_path: Path, ns: str) -> None:
+    ca = TestCA(server_uris=["spiffe://feos.local/other"])
+    with ControlPlane(tmp_path / "cp", ca=ca, netns=ns) as cp:
         with node(tmp_path, cp, cp.token()).start() as feosd:
             cp.wait_for(lambda: "uri check" in feosd.log_text(), why="the refusal's log line")
             assert cp.joins == [] and cp.refused == []
@@ -183,8 +197,9 @@ def test_a_refused_token_is_sent_again_only_once_it_changes(tmp_path: Path, cp: 
         feosd.stop()
 
 
-def test_renewals_keep_the_key_and_the_reports(tmp_path: Path) -> None:
-    with ControlPlane(tmp_path / "cp", renew_in_s=2) as cp, node(tmp_path, cp, cp.token()).start() as feosd:
+def test_renewals_keep_the_key_and_the_reports(tmp_path: Path, ns: str) -> None:
+    with ControlPlane(tmp_path / "cp", renew_in_s=2, netns=ns) as cp, \
+            node(tmp_path, cp, cp.token()).start() as feosd:
         key = cp.wait_for(lambda: (feosd.state_dir / "node" / "key.pem").exists() and
                           (feosd.state_dir / "node" / "key.pem").read_bytes())
         cp.wait_for(lambda: cp.node_connections, why="a node connection")
@@ -197,8 +212,10 @@ def test_renewals_keep_the_key_and_the_reports(tmp_path: Path) -> None:
         assert len(cp.joins) == 1
 
 
-def test_a_renewal_leaves_calls_in_flight_to_end_on_the_old_connection(tmp_path: Path) -> None:
-    with ControlPlane(tmp_path / "cp", renew_in_s=8) as cp, node(tmp_path, cp, cp.token()).start():
+def test_a_renewal_leaves_calls_in_flight_to_end_on_the_old_connection(tmp_path: Path,
+                                                                       ns: str) -> None:
+    with ControlPlane(tmp_path / "cp", renew_in_s=8, netns=ns) as cp, \
+            node(tmp_path, cp, cp.token()).start():
         cp.wait_for(lambda: cp.node_connections, why="a node connection")
         stream = cp.watch("pods", "watchEvents", {"podId": ""})  # on the first connection
         cp.wait_for(lambda: cp.renewals, timeout=20, why="a renewal")

@@ -4,12 +4,15 @@ under /tmp/feos-vm.lock)."""
 
 from __future__ import annotations
 
+import secrets
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from _owner import OWNER
 from feosd_proc import Feosd, end_microvms
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
@@ -21,10 +24,14 @@ SPEC = {"network": {"none": None}, "memoryMib": 256}
 
 
 def test_pushed_calls_create_and_delete_a_real_pod(tmp_path: Path) -> None:
-    with ControlPlane(tmp_path / "cp") as cp:
+    # in a namespace of its own: feosd there is on a mesh, whose device and routes stay in it
+    ns = OWNER.netns(f"feostest-fleetpods-{secrets.token_hex(3)}")
+    subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+    with ControlPlane(tmp_path / "cp", netns=ns) as cp:
         (tmp_path / "join-token").write_text(cp.token())
         feosd = Feosd(tmp_path / "node", "--control-plane", cp.address, "--control-plane-name",
-                      cp.ca.server_name, "--join-token-file", str(tmp_path / "join-token"))
+                      cp.ca.server_name, "--join-token-file", str(tmp_path / "join-token"),
+                      netns=ns)
         try:
             feosd.start()
             cp.wait_for(lambda: cp.node_connections, why="a node connection")
@@ -48,6 +55,7 @@ def test_pushed_calls_create_and_delete_a_real_pod(tmp_path: Path) -> None:
             assert feosd.ctl("--json", "pod", "get", POD, check=False).returncode == 15
             assert feosd.stop(60) == 0
         finally:
-            feosd.kill()
+            feosd.close()
             end_microvms(feosd.state_dir)
+            OWNER.done(ns)
     assert socket.gethostname() in [name for _, name in cp.joins]

@@ -37,6 +37,8 @@ struct HostInfo {
   version @5 :VersionInfo;
   selfUpgrade @6 :Bool;
   vmm @7 :VmmInfo;
+  meshDevice @8 :Text;           # which WireGuard runs feos-mesh: the kernel's (generic netlink)
+                                 # or wireguard-go (its UAPI socket); "" off a mesh
 }
 
 interface HostService {

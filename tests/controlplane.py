@@ -45,8 +45,10 @@ class ControlPlane:
     def __init__(self, root: Path, *, ca: TestCA | None = None, tokens: tuple[str, ...] = ("s3cret",),
                  instances: list[dict[str, str]] | None = None, renew_in_s: float = 0,
                  ula: str = "fd12:3456:789a:1::/64", prefix: str = "fd12:3456:789a:1:0:1::/96",
-                 port: int = 0) -> None:
+                 port: int = 0, netns: str | None = None, host: str = "127.0.0.1") -> None:
         self.root = root
+        self.netns = netns  # where it listens (127.0.0.1 of that namespace), else here
+        self.host = host
         self.ca = ca or TestCA()
         self.tokens = set(tokens)
         self.instances = instances or []
@@ -59,6 +61,8 @@ class ControlPlane:
         self.reports: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.mesh_calls: list[dict[str, Any]] = []
+        self.mesh_nodes: dict[str, dict[str, Any]] = {}  # by node: its key, endpoint and /96
+        self.pusher_of: dict[str, PushClient] = {}  # the newest node connection of each node
         self.renewals = 0
         self.node_connections = 0
         self.pushers: list[PushClient] = []
@@ -71,7 +75,7 @@ class ControlPlane:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def token(self, secret: str = "s3cret", pin: str | None = None) -> str:
         return f"feos-join-{secret}.{pin or self.ca.pin}"
@@ -79,10 +83,16 @@ class ControlPlane:
     # -- running ---------------------------------------------------------------------------
 
     def start(self) -> ControlPlane:
-        self._thread = threading.Thread(target=trio.run, args=(self._main,), daemon=True)
+        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         assert self._ready.wait(10), "the test control plane did not start"
         return self
+
+    def _run(self) -> None:
+        from feos.net._links import netns_entered
+
+        with netns_entered(self.netns):  # this thread's sockets are the namespace's
+            trio.run(self._main)
 
     def stop(self) -> None:
         if self._token is not None and self._cancel is not None:
@@ -124,7 +134,7 @@ class ControlPlane:
         ctx = self._context()
         self._token = trio.lowlevel.current_trio_token()
         with trio.CancelScope() as self._cancel:
-            listeners = await trio.open_tcp_listeners(self.port, host="127.0.0.1")
+            listeners = await trio.open_tcp_listeners(self.port, host=self.host)
             self.port = listeners[0].socket.getsockname()[1]
             self._ready.set()
             ssl_listeners = [trio.SSLListener(lis, ctx, https_compatible=True) for lis in listeners]
@@ -147,10 +157,15 @@ class ControlPlane:
     async def _hold_node_connection(self, stream: trio.SSLStream[Any]) -> None:
         client = PushClient(stream)
         self.pushers.append(client)
+        name = self._peer_name(stream)
+        if name is not None:
+            self.pusher_of[name] = client
         try:
             await client.run()
         finally:
             self.pushers.remove(client)
+            if name is not None and self.pusher_of.get(name) is client:
+                del self.pusher_of[name]
 
     def watch(self, service: str, method: str, params: dict[str, Any]) -> dict[str, Any]:
         """A stream pushed over the newest node connection, read on in the background: its
@@ -173,16 +188,35 @@ class ControlPlane:
         return seen
 
     def push(self, service: str, method: str, params: dict[str, Any] | None = None,
-             timeout: float = 30.0) -> dict[str, Any]:
-        """A call pushed over the newest node connection (tests/fleet_push.py), from any thread."""
-        self.wait_for(lambda: self.pushers, timeout, why="a node connection")
+             timeout: float = 30.0, node: str | None = None) -> dict[str, Any]:
+        """A call pushed over the newest node connection (tests/fleet_push.py), from any thread;
+        with `node`, over that node's."""
+        if node is None:
+            self.wait_for(lambda: self.pushers, timeout, why="a node connection")
+        else:
+            self.wait_for(lambda: node in self.pusher_of, timeout, why=f"{node}'s connection")
 
         async def call() -> dict[str, Any]:
             with trio.fail_after(timeout):
-                return await self.pushers[-1].call(service, method, params)
+                client = self.pushers[-1] if node is None else self.pusher_of[node]
+                return await client.call(service, method, params)
 
         assert self._token is not None
         return trio.from_thread.run(call, trio_token=self._token)
+
+    # -- the mesh: a /96 per node, the others its peers ----------------------------------------
+
+    def mesh_peers_of(self, node: str, *, without: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+        return [dict(m) for n, m in sorted(self.mesh_nodes.items())
+                if n != node and n not in without]
+
+    def put_mesh_peers(self, version: int, *, without: tuple[str, ...] = ()) -> None:
+        """PutMeshPeers to every joined node: the others (but `without`) its peers."""
+        for node in sorted(self.mesh_nodes):
+            if node not in without:
+                self.push("mesh", "putMeshPeers",
+                          {"version": version, "peers": self.mesh_peers_of(node, without=without)},
+                          node=node)
 
     # -- the uplink's HTTP/2 ---------------------------------------------------------------
 
@@ -278,6 +312,19 @@ class ControlPlane:
         return {"chain": self.ca.issue_node(params["csr"], name), "renewUnixNs": self._renew_at()}
 
     def _on_joinMesh(self, params: dict[str, Any], peer: str | None) -> dict[str, Any]:
-        self._node(peer)
+        name = self._node(peer)
         self.mesh_calls.append(params)
-        return {"meshed": True, "ula": self.ula, "prefix": self.prefix}
+        known = self.mesh_nodes.get(name)
+        prefix = known["prefix"] if known else self._next_prefix()
+        if params.get("publicKey"):
+            self.mesh_nodes[name] = {"publicKey": params["publicKey"],
+                                     "endpoint": params["endpoint"], "prefix": prefix}
+        return {"meshed": True, "ula": self.ula, "prefix": prefix}
+
+    def _next_prefix(self) -> str:
+        """The first node's /96 is `prefix`, each next node's the /96 after the last one's."""
+        import ipaddress
+
+        first = ipaddress.IPv6Network(self.prefix)
+        n = len(self.mesh_nodes)
+        return str(ipaddress.IPv6Network((int(first.network_address) + (n << 32), 96)))

@@ -316,6 +316,7 @@ async def host_info(client: Client, args: argparse.Namespace) -> Table:
         ["self-upgrade", "yes" if info.get("selfUpgrade") else "no"],
         *_vmm_rows(info.get("vmm", {})),
         ["network", version.get("network", "") or "-"],
+        ["mesh device", info.get("meshDevice", "") or "-"],
         ["guests", ", ".join(version.get("guests", [])) or "-"],
         ["firecrackers", ", ".join(version.get("firecrackers", [])) or "-"],
     ]
@@ -404,6 +405,33 @@ def register_host(nouns: Any) -> None:
     p.add_argument("--sha256", help="its expected sha256 (default: computed here)")
 
 
+# -- mesh --------------------------------------------------------------------------------------
+
+
+async def mesh_show(client: Client, args: argparse.Namespace) -> Table:
+    import base64
+
+    mesh = (await client.call("mesh", "getMesh")).mesh.to_dict()
+    mesh["publicKey"] = base64.b64encode(mesh.get("publicKey", b"")).decode()
+    for peer in mesh.setdefault("peers", []):
+        peer["publicKey"] = base64.b64encode(peer.get("publicKey", b"")).decode()
+    rows = [
+        ["ula", mesh.get("ula", "") or "-"],
+        ["node prefix", mesh.get("nodePrefix", "") or "-"],
+        ["public key", mesh["publicKey"]],
+        ["port", str(mesh.get("port", 0))],
+        ["version", str(mesh.get("version", 0))],
+        *[["peer", f"{p['publicKey']} {p.get('endpoint', '')} {p.get('prefix', '')}"]
+          for p in mesh["peers"]],
+    ]
+    return Table(mesh, ["FIELD", "VALUE"], rows)
+
+
+def register_mesh(nouns: Any) -> None:
+    verbs = _noun(nouns, "mesh", "the cluster's mesh: feos-mesh, its prefixes and its peers")
+    _verb(verbs, "show", mesh_show, "the node's prefixes, key, port, version and peers")
+
+
 def _register_pod(nouns: Any) -> None:
     from ._pods import register_pod
 
@@ -417,4 +445,4 @@ def _register_traffic(nouns: Any) -> None:
 
 
 NOUNS = [_register_pod, register_volume, register_group, register_names, register_host,
-         _register_traffic]
+         _register_traffic, register_mesh]

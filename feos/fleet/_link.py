@@ -25,15 +25,15 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import trio
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import x25519
 
 from .. import _schema
+from ..errors import FeosError
+from ..net import mesh_key
 from ..records import write_whole
 from ._events import EventBuffer
 from ._uplink import HELD_S, Connections, LinkConfig, Uplink
@@ -49,8 +49,10 @@ RESTART_S = 5.0
 class Runtime:
     """The link's part on feosd's runtime: run() in feosd's nursery, the rest thread-safe."""
 
-    def __init__(self, *, pods: Any, host: Any, events: EventBuffer, mesh_dir: Path) -> None:
+    def __init__(self, *, pods: Any, host: Any, events: EventBuffer, mesh_dir: Path,
+                 take_mesh: Callable[[dict[str, Any]], Awaitable[None]] | None = None) -> None:
         self._pods, self._host = pods, host
+        self._take = take_mesh  # the network's (feos.net Network.take_mesh); else kept here
         self.events = events
         self.mesh_dir = mesh_dir
         self.last_tick = time.monotonic()
@@ -160,7 +162,7 @@ class Runtime:
     def mesh_key(self) -> bytes:
         """The mesh's WireGuard public key; its private key made once, in mesh/key."""
         if self._mesh_key is None:
-            self._mesh_key = _wireguard_key(self.mesh_dir / "key")
+            self._mesh_key = mesh_key(self.mesh_dir / "key")[1]
         return self._mesh_key
 
     def mesh_taken(self) -> bool:
@@ -181,7 +183,14 @@ class Runtime:
 
     async def _take_mesh(self, answer: dict[str, Any]) -> None:
         async with self._taking:
-            await trio.to_thread.run_sync(keep_mesh, self.mesh_dir, answer)
+            try:
+                if self._take is not None:
+                    await self._take(answer)
+                else:
+                    await trio.to_thread.run_sync(keep_mesh, self.mesh_dir, answer)
+            except FeosError as e:  # not taken: asked for again after the next report
+                log.error("the mesh's answer was not taken: %s", e.message)
+                return
             self._mesh_taken = True
         log.info("the mesh: %s", f"{answer['ula']}, the node's {answer['prefix']}"
                  if answer["meshed"] else "the cluster is not meshed")
@@ -189,22 +198,6 @@ class Runtime:
 
 def _reportable(pod: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in pod.items() if k != "containers"}
-
-
-def _wireguard_key(path: Path) -> bytes:
-    import base64
-
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    try:
-        raw = base64.b64decode(path.read_text().strip())
-        key = x25519.X25519PrivateKey.from_private_bytes(raw)
-    except FileNotFoundError:
-        key = x25519.X25519PrivateKey.generate()
-        raw = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
-                                serialization.NoEncryption())
-        write_whole(path, base64.b64encode(raw) + b"\n")
-    return key.public_key().public_bytes(serialization.Encoding.Raw,
-                                         serialization.PublicFormat.Raw)
 
 
 def keep_mesh(mesh_dir: Path, answer: dict[str, Any]) -> None:

@@ -37,6 +37,11 @@ from ._listenfds import DnsSockets as DnsSockets
 from ._listenfds import bind_dns_sockets as bind_dns_sockets
 from ._listenfds import prepare_exec as prepare_exec
 from ._listenfds import take_dns_sockets as take_dns_sockets
+from ._mesh import Mesh as Mesh
+from ._mesh import NoMesh as NoMesh
+from ._mesh import mesh_key as mesh_key
+from ._mesh_model import MeshState as MeshState
+from ._mesh_model import Peer as Peer
 from ._metadata_server import MetadataServer as MetadataServer
 from ._mmds import MmdsStore as MmdsStore
 from ._mmds import metadata_object as metadata_object
@@ -75,3 +80,5 @@ from ._traffic import enable_accounting as enable_accounting
 from ._traffic_service import TrafficService as TrafficService
 from ._traffic_service import TrafficStream as TrafficStream
 from ._traffic_service import record_dict as record_dict
+from ._wireguard import UapiDevice as UapiDevice
+from ._wireguard import choose_device as choose_device

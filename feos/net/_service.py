@@ -52,6 +52,7 @@ from ._links import (
     tap_name,
 )
 from ._listenfds import DnsSockets, bind_dns_sockets
+from ._mesh import Mesh
 from ._metadata_server import MetadataServer
 from ._mmds import validate_metadata
 from ._nametable import NameTable, is_label
@@ -68,6 +69,7 @@ from ._ports import (
 )
 from ._relay import Relays
 from ._service_model import (
+    MeshFacts,
     StoreMapping,
     compile_for,
     dns_pods,
@@ -93,6 +95,9 @@ log = logging.getLogger(__name__)
 
 TABLE_INTERVAL = 60.0
 STARTING_REASON = "the pods' network is still starting"
+MESH_WAIT_REASON = "the node has no prefix of its mesh yet: the control plane has not given it one"
+EXCLUDED_REASON = ("the cluster is meshed and the node has --pod-prefix: the two exclude each "
+                   "other, so pods with a network fail; start feosd without --pod-prefix")
 OLD_IPV4_COUNTER = "next-address"
 OLD_NAT64_MAPS = Path("/sys/fs/bpf/feos/nat64")
 
@@ -106,8 +111,9 @@ class Network:
     def __init__(self, options: NetworkOptions, state_dir: Path, pods: PodsView,
                  groups_store: Any, tables_store: Any, *, netns: str | None = None,
                  dns_sockets: DnsSockets | None = None,
-                 table_interval: float = TABLE_INTERVAL) -> None:
+                 table_interval: float = TABLE_INTERVAL, mesh: Mesh | None = None) -> None:
         self.options = options
+        self.mesh = mesh
         self.pods_dir = Path(state_dir) / "pods"
         self.view = pods
         self.groups = store_of(groups_store)
@@ -229,7 +235,7 @@ class Network:
         return Link(tap, guest_mac(pod.id))
 
     def guest_network(self, pod: PodNet) -> GuestNetwork:
-        return guest_network_of(pod, self.options)
+        return guest_network_of(pod, self.options, meshed=self.mesh is not None)
 
     async def remove(self, pod: PodNet) -> None:
         tap = tap_or_none(pod.id)
@@ -264,17 +270,23 @@ class Network:
     # --- run ----------------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        if self.options.pod_prefix is None:
-            log.warning("%s", self._reason)
-            task_status.started()
-            return
+        started = False  # told already: the network comes up after feosd's start (the mesh)
+        up = False
         try:
-            await self._start()
+            if self.mesh is not None:
+                started = await self._mesh_prefix(task_status)
+            if self.options.pod_prefix is None:
+                log.warning("%s", self._reason)
+            else:
+                await self._start()
+                up = True
         except (FeosError, OSError) as e:
             why = e.message if isinstance(e, FeosError) else str(e)
             self._reason = f"the pods' network could not be set up: {why}"
             log.error("%s", self._reason)
-            task_status.started()
+        if not up:  # no network: feosd runs on
+            if not started:
+                task_status.started()
             return
         try:
             async with trio.open_nursery() as nursery:
@@ -288,7 +300,12 @@ class Network:
                 self._reason = None
                 log.info("the pods' network is up (%s, %s)", self.options.pod_prefix,
                          self.options.ipv4_range)
-                task_status.started()
+                if not started:
+                    task_status.started()
+                else:  # the pod service catches up: addresses, TAPs, the guests' network
+                    catch_up = getattr(self.view, "network_up", None)
+                    if catch_up is not None:
+                        nursery.start_soon(catch_up)
         finally:
             self._reason = "the pods' network stopped"
             if self._loader is not None:
@@ -296,6 +313,32 @@ class Network:
             for fd in self._proc_net.values():
                 os.close(fd)
             self._proc_net = {}
+
+    async def _mesh_prefix(self, task_status: trio.TaskStatus[None]) -> bool:
+        """The mesh set up, its /96 the pod prefix; without one yet, feosd goes on (True: the
+        task's start was told) while the network waits for JoinMesh's answer."""
+        assert self.mesh is not None
+        try:
+            await self.mesh.start()
+        except (FeosError, OSError) as e:
+            why = e.message if isinstance(e, FeosError) else str(e)
+            self.mesh.reason = f"the mesh could not be set up: {why}"
+            raise FeosError(Code.UNAVAILABLE, self.mesh.reason) from None
+        self.mesh.on_change = self.pods_changed
+        told = False
+        if not self.mesh.prefix_given.is_set():
+            self._reason = MESH_WAIT_REASON
+            log.warning("%s", self._reason)
+            task_status.started()
+            told = True
+            await self.mesh.prefix_given.wait()
+        self.options = attrs.evolve(self.options, pod_prefix=self.mesh.prefix)
+        return told
+
+    def mesh_excluded(self) -> None:
+        """The cluster is meshed and the node has --pod-prefix: its pods fail with a network."""
+        self._reason = EXCLUDED_REASON
+        log.error("%s", EXCLUDED_REASON)
 
     async def _start(self) -> None:
         await trio.to_thread.run_sync(lambda: self.pods_dir.mkdir(parents=True, exist_ok=True))
@@ -417,13 +460,30 @@ class Network:
             try:
                 known = self._known()
                 table = compile_for(known, self.options, dict(self.groups.items()),
-                                    self._node_addresses)
+                                    self._node_addresses, self._mesh_facts())
                 await self._writer.write(table, full=full)
                 await self.relays.sync(relay_targets(known, self.options))
             except FeosError as e:
                 if raise_errors:
                     raise
                 log.error("the pods' table was not written: %s", e)
+
+    # --- the mesh -----------------------------------------------------------------------------
+
+    async def take_mesh(self, answer: Mapping[str, Any]) -> None:
+        """JoinMesh's answer (the uplink's): the mesh takes it; with --pod-prefix the pods fail."""
+        if not answer.get("meshed"):
+            return
+        if self.mesh is None:
+            if self.options.pod_prefix is not None:
+                self.mesh_excluded()
+            return
+        await self.mesh.take_join(answer)
+
+    def _mesh_facts(self) -> MeshFacts:
+        if self.mesh is None or self.mesh.state.ula is None:
+            return MeshFacts()
+        return MeshFacts(self.mesh.endpoints(), self.mesh.state.ula)
 
     # --- the views ----------------------------------------------------------------------------
 

@@ -113,17 +113,28 @@ def tap_or_none(pod_id: str) -> str | None:
         return None
 
 
-def node_facts(options: NetworkOptions, node_addresses: Sequence[Addr]) -> nft.NodeFacts:
+@attrs.frozen
+class MeshFacts:
+    """What the table takes of the mesh: its peers' endpoints (denied to pods) and the ULA."""
+
+    endpoints: tuple[Addr, ...] = ()
+    ula: ipaddress.IPv6Network | None = None
+
+
+def node_facts(options: NetworkOptions, node_addresses: Sequence[Addr],
+               mesh: MeshFacts = MeshFacts()) -> nft.NodeFacts:
     prefix = options.require_network()
     return nft.NodeFacts(prefix, options.ipv4_range, options.dns_address, options.otlp_address,
-                         tuple(options.deny_prefixes), tuple(node_addresses))
+                         tuple(options.deny_prefixes), tuple(node_addresses),
+                         mesh_endpoints=mesh.endpoints, mesh_prefix=mesh.ula)
 
 
 def compile_for(pods: Iterable[PodNet], options: NetworkOptions,
-                groups: Mapping[str, SecurityGroup], node_addresses: Sequence[Addr]) -> nft.Table:
-    """The whole table for these pods, groups and node addresses."""
+                groups: Mapping[str, SecurityGroup], node_addresses: Sequence[Addr],
+                mesh: MeshFacts = MeshFacts()) -> nft.Table:
+    """The whole table for these pods, groups, node addresses and mesh."""
     chosen, _ = table_pods(pods, options, groups)
-    return nft.compile_table(chosen, groups, node_facts(options, node_addresses))
+    return nft.compile_table(chosen, groups, node_facts(options, node_addresses, mesh))
 
 
 def dns_pods(pods: Iterable[PodNet], options: NetworkOptions) -> dict[
@@ -162,10 +173,12 @@ def missing_reason(pod: PodNet, groups: Container[str], tables: Container[str]) 
     return f"pod {pod.id}: the node does not have {' and '.join(lacks)}" if lacks else None
 
 
-def guest_network_of(pod: PodNet, options: NetworkOptions) -> GuestNetwork:
+def guest_network_of(pod: PodNet, options: NetworkOptions, *,
+                     meshed: bool = False) -> GuestNetwork:
+    """On a mesh a pod's packets go through WireGuard: its MTU, 1420, is the pod's."""
     v6 = ipaddress.IPv6Address(pod.ipv6)
     return GuestNetwork(ipv6=str(v6), ipv4=pod.ipv4, resolver=str(options.dns_address),
-                        ula_only=v6 in ULA, mtu=LINK_MTU)
+                        ula_only=v6 in ULA, mtu=MESH_MTU if meshed and v6 in ULA else LINK_MTU)
 
 
 def metadata_of(pod: PodNet) -> dict[str, Any]:

@@ -138,6 +138,18 @@ class PodService:
             task_status.started(self)
             await trio.sleep_forever()
 
+    async def network_up(self) -> None:
+        """The network came up after the pods were loaded (a mesh's prefix arrived): kept pods
+        get the addresses they lack, running pods their TAP devices, the table follows."""
+        await self._give_addresses()
+        for pod in list(self._pods.values()):
+            if pod.state == lc.RUNNING and pod.spec.network is not None:
+                try:
+                    await self._net.prepare(pod, boot=False)
+                except FeosError as exc:
+                    log.error("pod %s: its TAP device: %s", pod.id, exc)
+        self._net.changed()
+
     async def _give_addresses(self) -> None:
         """Kept pods with a network get the addresses they lack (one of an earlier network)."""
         network = self._net.network

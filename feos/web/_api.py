@@ -11,6 +11,7 @@ services' signatures change, this module alone changes.
 
 from __future__ import annotations
 
+import base64
 import inspect
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -40,6 +41,7 @@ CALLS: dict[tuple[str, str], bool] = {
     ("names", "listNameTables"): False,
     ("names", "putNameTable"): True,
     ("names", "deleteNameTable"): True,
+    ("mesh", "getMesh"): False,
 }
 
 # The streams the console follows: name -> (service, method).
@@ -77,7 +79,8 @@ class Api:
         """One unary call of the console's table; FeosError as the API raises it."""
         if (service, method) not in CALLS:
             raise FeosError(Code.NOT_FOUND, f"{service}.{method}: not a call of the console")
-        return await _called(self._handler(service, method), params, self.bridge)
+        answer = await _called(self._handler(service, method), params, self.bridge)
+        return _keys_as_base64(answer) if service == "mesh" else answer
 
     async def events(self, pod_id: str = "") -> AsyncIterator[list[dict[str, Any]]]:
         """WatchEvents' stream, batch by batch, until feosd stops or the caller leaves."""
@@ -131,6 +134,15 @@ async def _on_rpc_thread(target: Any, params: dict[str, Any]) -> dict[str, Any]:
 
 async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
+
+
+def _keys_as_base64(answer: dict[str, Any]) -> dict[str, Any]:
+    """The mesh's WireGuard keys as wg(8) writes them (JSON has no bytes)."""
+    mesh = dict(plain(answer).get("mesh", {}))
+    mesh["publicKey"] = base64.b64encode(bytes(mesh.get("publicKey", b""))).decode()
+    mesh["peers"] = [{**p, "publicKey": base64.b64encode(bytes(p.get("publicKey", b""))).decode()}
+                     for p in mesh.get("peers", [])]
+    return {**answer, "mesh": mesh}
 
 
 def plain(value: Any) -> Any:

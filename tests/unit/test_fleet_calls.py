@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 from feos import _schema
 from feos.errors import Code, FeosError
 from feos.fleet._calls import Answer, Dispatcher, _struct, decode
+from feos.net import NoMesh
+from feos.net._mesh import NOT_MESHED
 from feos.pods import VolumeService
 from feos.pods._events import EventHub
 from feos.pods._streams import Relay
@@ -134,6 +136,16 @@ async def test_a_service_without_the_method_answers_unimplemented_with_a_body() 
     answer = await calls.call("/mesh/putMeshPeers", body("mesh", "putMeshPeers"))
     assert (answer.code, answer.message) == (Code.UNIMPLEMENTED, "putMeshPeers is not built yet")
     assert results("mesh", "putMeshPeers", answer)["status"]["code"] == "unimplemented"
+
+
+async def test_mesh_calls_reach_the_mesh_service() -> None:
+    """The node connections reach MeshService as the socket does: a node off a mesh says so."""
+    calls = Dispatcher({"mesh": NoMesh()}, trio.lowlevel.current_trio_token())
+    peer = {"publicKey": b"k" * 32, "endpoint": "192.0.2.2:51820", "prefix": "fd00::/96"}
+    for method, params in (("getMesh", {}), ("putMeshPeers", {"version": 1, "peers": [peer]}),
+                           ("updateMeshPeers", {"fromVersion": 1, "toVersion": 2})):
+        answer = await calls.call(f"/mesh/{method}", body("mesh", method, **params))
+        assert (answer.code, answer.message) == (Code.FAILED_PRECONDITION, NOT_MESHED), method
 
 
 async def test_a_dropped_wait_cancels_the_call_where_it_runs() -> None:

@@ -114,6 +114,9 @@ def test_guest_network() -> None:
         "2001:db8:1::2", "169.254.16.2", "169.254.0.53", False, 1500)
     ula = parse_network_options(pod_prefix="fd00:1:2:3::/96")
     assert guest_network_of(pod(A, ipv6="fd00:1:2:3::9"), ula).ula_only
+    assert guest_network_of(pod(A, ipv6="fd00:1:2:3::9"), ula).mtu == 1500  # not a mesh
+    meshed = guest_network_of(pod(A, ipv6="fd00:1:2:3::9"), ula, meshed=True)
+    assert (meshed.ula_only, meshed.mtu) == (True, 1420)  # WireGuard's MTU on a mesh
 
 
 def test_metadata_object() -> None:

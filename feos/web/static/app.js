@@ -255,6 +255,21 @@ function jsonParams(key) {
   };
 }
 
+// -- the mesh (read only: its peers come from the control plane) ------------------------------
+
+async function loadMesh() {
+  const el = $("#mesh");
+  try {
+    const {mesh} = await call("mesh", "getMesh");
+    const node = `<article class="card" data-mesh="node"><h3>this node · ${esc(mesh.nodePrefix || "no prefix yet")}</h3>
+      <dl><dt>ULA</dt><dd>${esc(mesh.ula || "-")}</dd><dt>public key</dt><dd><code>${esc(mesh.publicKey)}</code></dd>
+      <dt>port</dt><dd>${esc(mesh.port)}</dd><dt>version</dt><dd>${esc(mesh.version)}</dd></dl></article>`;
+    const peers = (mesh.peers || []).map((p) => `<article class="card" data-mesh="peer"><h3>${esc(p.prefix)}</h3>
+      <dl><dt>endpoint</dt><dd>${esc(p.endpoint)}</dd><dt>public key</dt><dd><code>${esc(p.publicKey)}</code></dd></dl></article>`);
+    el.innerHTML = node + (peers.join("") || "<p>no peers</p>");
+  } catch (e) { el.textContent = e.message; }
+}
+
 // -- logs ---------------------------------------------------------------------------------------
 
 let logSource = null;
@@ -275,11 +290,12 @@ function showLog(kind, id, container) {
 
 function route() {
   const [tab, kind, id, container] = (location.hash.slice(1) || "pods").split("/");
-  const name = ["pods", "volumes", "groups", "names", "log"].includes(tab) ? tab : "pods";
+  const name = ["pods", "volumes", "groups", "names", "mesh", "log"].includes(tab) ? tab : "pods";
   document.querySelectorAll(".tab").forEach((s) => { s.hidden = s.id !== "tab-" + name; });
   document.querySelectorAll("nav a").forEach((a) => a.classList.toggle("on", a.dataset.tab === name));
   if (name !== "log" && logSource) { logSource.close(); logSource = null; }
   if (name === "log") showLog(kind, id, container);
+  else if (name === "mesh") loadMesh();
   else if (TABLES[name]) loadTable(name);
 }
 
