@@ -126,4 +126,14 @@ interface DiskService {
   # Garbage collection now: layers no disk stands on (but the empty L0 and the L0s of installed
   # guests), children before parents, and cached chunks of no layer. Only when asked: a layer
   # baked and not pushed yet would otherwise go with the last disk on it (docs/disk.md).
+
+  putCheckpoint @18 (body :Data) -> (status :Common.Status, ref :Text);
+  # A checkpoint's description (feosd's JSON) into the object store under its digest, the
+  # checkpoint's reference ("sha256:<hex>"): put last, it is a hibernation's commit point.
+  getCheckpoint @19 (ref :Text) -> (status :Common.Status, body :Data);
+  # NOT_FOUND: the store has none; DATA_LOSS: what it has is not `ref`'s bytes.
+
+  abort @20 (digest :Text) -> (status :Common.Status, aborted :UInt32);
+  # The layer pushes in flight of `digest` end with ABORTED (a hibernation abandoned); how
+  # many there were. (Ordinals 14 to 17 are the memory's: pushMemory, pullMemory, ...)
 }

@@ -1,4 +1,5 @@
-"""feosctl pod: create, list, get, start, stop, delete, suspend, resume, exec, logs, events."""
+"""feosctl pod: create, list, get, start, stop, delete, suspend, resume, exec, logs, events
+(hibernate and restore: _hibernate.py)."""
 
 from __future__ import annotations
 
@@ -484,3 +485,6 @@ def register_pod(nouns: Any) -> None:
     p.add_argument("-c", "--container", default="main")
     p.add_argument("-f", "--follow", action="store_true")
     _verb(verbs, "events", pod_events, "follow the pods' events").add_argument("id", nargs="?")
+    from ._hibernate import register as register_hibernate
+
+    register_hibernate(verbs)

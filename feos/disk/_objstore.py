@@ -64,6 +64,7 @@ _BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]\Z")
 _ENDPOINT = re.compile(r"https?://[^/\s?#]+/?\Z")
 _FORMATS = ("qcow2", "raw")
 _MAX_CHUNK_SIZE = 64 * 1024 * 1024
+_MAX_CHECKPOINT = 1024 * 1024
 _MAX_MANIFEST = 256 * 1024 * 1024  # 16 TiB in 4 MiB chunks: 4 Mi entries of 67 bytes
 _RETRYABLE_CODES = {"RequestTimeout", "SlowDown", "Throttling", "ThrottlingException",
                     "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable"}  # fmt: skip
@@ -394,6 +395,32 @@ class ObjectStore:
                 return False
             raise
         return True
+
+    # -- checkpoints (feosd's hibernations: a small JSON object under its own digest)
+
+    def checkpoint_key(self, ref: str) -> str:
+        return f"{self.config.prefix}checkpoints/{digest_hex(ref, 'ref')}.json"
+
+    def put_checkpoint(self, body: bytes) -> str:
+        """The checkpoint's description into the store; its reference, "sha256:<hex>"."""
+        if len(body) > _MAX_CHECKPOINT:
+            raise FeosError(Code.INVALID_ARGUMENT, f"a checkpoint is at most {_MAX_CHECKPOINT} "
+                            f"bytes, not {len(body)}")  # fmt: skip
+        ref = f"sha256:{hashlib.sha256(body).hexdigest()}"
+        key = self.checkpoint_key(ref)
+        self._request(f"checkpoint {key}", lambda: self._put(key, body))
+        return ref
+
+    def get_checkpoint(self, ref: str) -> bytes:
+        """NOT_FOUND: the store has none; DATA_LOSS: its bytes are not `ref`'s."""
+        key = self.checkpoint_key(ref)
+        data = self._request(f"checkpoint {key}", lambda: self._get(key, _MAX_CHECKPOINT))
+        if data is None:
+            raise FeosError(Code.NOT_FOUND, f"{self._where} has no checkpoint {ref}")
+        if f"sha256:{hashlib.sha256(data).hexdigest()}" != ref:
+            raise FeosError(Code.DATA_LOSS, f"{self._where}: {key} is not checkpoint {ref}: "
+                            "its digest does not match")  # fmt: skip
+        return data
 
     # -- push
 
