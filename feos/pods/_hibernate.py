@@ -168,7 +168,7 @@ class Hibernator:
     async def hibernate(self, pod: Pod, progress: Progress, *,
                         suspend: Callable[[Pod], Awaitable[None]],
                         resume: Callable[[Pod], Awaitable[None]]) -> None:  # fmt: skip
-        """Under the pod's lock. Abandoned: returns with the pod SUSPENDED, for its Resume."""
+        """Under the pod's lock. Abandoned: ABORTED, the pod left SUSPENDED for its Resume."""
         if pod.state == lc.HIBERNATED:
             return
         if pod.state != lc.RUNNING:
@@ -183,15 +183,13 @@ class Hibernator:
             with progress.scope:
                 checkpoint = await self._upload(diskd, pod, progress)
             if progress.abandoned:
-                self._tell(pod, "hibernation: abandoned by a resume")
-                return
+                raise _abandoned(pod)
             self._phase(pod, progress, "commit")
             progress.committed = True
             ref = (await diskd.call("putCheckpoint", body=checkpoint.to_json()))["ref"]
         except FeosError as exc:
             if progress.abandoned:
-                self._tell(pod, "hibernation: abandoned by a resume")
-                return
+                raise _abandoned(pod) from None
             log.warning("pod %s: the hibernation failed: %s", pod.id, exc.message)
             self._tell(pod, f"hibernation failed: {exc.message}")
             if ran:
@@ -214,8 +212,7 @@ class Hibernator:
             volumes.append((SavedVolume(volume_id, layer["digest"], volume.size_bytes,
                                         volume.formatted), layer))  # fmt: skip
         memory = self._vms.snapshot_file(pod.id) if progress.memory else None
-        memory_bytes = (await trio.to_thread.run_sync(lambda: memory.stat().st_size)
-                        if memory is not None else 0)
+        memory_bytes = memory.stat().st_size if memory is not None else 0
         layers = [sealed, *(layer for _, layer in volumes)]
         progress.total = sum(int(x.get("sizeBytes", 0)) for x in layers) + memory_bytes
         self._phase(pod, progress, "upload")
@@ -257,9 +254,15 @@ class Hibernator:
             progress.pushing_memory = True
             try:
                 pushed = await diskd.call("pushMemory", id=pod.id, path=str(memory))
+            except FeosError as exc:
+                failed: FeosError | None = exc  # raised below: not in the nursery's group
+            else:
+                failed = None
             finally:
                 progress.pushing_memory = False
                 nursery.cancel_scope.cancel()
+        if failed is not None:
+            raise failed
         progress.done = base
         digest: str = pushed["memory"]["digest"]
         return digest
@@ -361,7 +364,7 @@ class Hibernator:
     async def _make_vm(self, diskd: DiskdPort, pod: Pod, checkpoint: Checkpoint,
                        memory: Path) -> None:  # fmt: skip
         self._tell(pod, "restore: memory")
-        await trio.to_thread.run_sync(lambda: memory.parent.mkdir(parents=True, exist_ok=True))
+        memory.parent.mkdir(parents=True, exist_ok=True)
         await diskd.call("pullMemory", id=pod.id, digest=checkpoint.memory, path=str(memory),
                          ownerUid=0)
         pod.guest_version, pod.driver = checkpoint.guest_version, checkpoint.driver
@@ -381,4 +384,8 @@ class Hibernator:
                 await self._disks.delete(disk_id, plain, wait=False)
             except FeosError as exc:
                 log.warning("disk %s of a failed restore stays: %s", disk_id, exc.message)
-        await trio.to_thread.run_sync(lambda: memory.unlink(missing_ok=True))
+        memory.unlink(missing_ok=True)  # noqa: ASYNC240  (a memory file pullMemory left)
+
+
+def _abandoned(pod: Pod) -> FeosError:
+    return FeosError(Code.ABORTED, f"pod {pod.id}: its hibernation was abandoned by a resume")
