@@ -30,6 +30,7 @@ from ..errors import Code, FeosError, invalid
 from . import _export
 from ._chunks import ChunkCache
 from ._files import Files, allocated, sha256_file
+from ._memory import MemoryTransfers
 from ._model import (
     EMPTY_DIGEST,
     Disk,
@@ -81,6 +82,7 @@ class DiskService:
         self._disk_locks: dict[str, trio.Lock] = {}
         self._layers_lock = trio.Lock()
         self._stops: dict[str, set[threading.Event]] = {}  # the pushes in flight, by digest
+        self.memory = MemoryTransfers(self._need_store, cache)
 
     # -- start -------------------------------------------------------------------------------
 
@@ -429,6 +431,22 @@ class DiskService:
             evicted, cache_freed = await trio.to_thread.run_sync(self._cache.evict)
         return {"layersRemoved": len(doomed), "chunksEvicted": evicted,
                 "bytesFreed": freed + cache_freed}
+
+
+    # -- memory snapshots ----------------------------------------------------------------------
+
+    async def push_memory(self, params: dict[str, Any]) -> dict[str, Any]:
+        return await self.memory.push(_text(params, "id"), _text(params, "path"))
+
+    async def pull_memory(self, params: dict[str, Any]) -> dict[str, Any]:
+        return await self.memory.pull(_text(params, "id"), _text(params, "digest"),
+                                      _text(params, "path"), _number(params, "ownerUid"))
+
+    async def memory_transfer(self, params: dict[str, Any]) -> dict[str, Any]:
+        return self.memory.look(_text(params, "id"))
+
+    async def abandon_memory(self, params: dict[str, Any]) -> dict[str, Any]:
+        return self.memory.abandon(_text(params, "id"))
 
 
 def _manifest(layer: Layer) -> LayerManifest:
