@@ -10,7 +10,7 @@ order (each test also passes alone: `pod_on` makes what it needs):
    brings it up with the same ID, the same process (its token), both files, new addresses of
    B's, reaching B's registry;
 2. pod H2 on A: a Resume while its hibernation uploads abandons it (ABORTED), the pod runs on
-   with its token;
+   with its token (moto is stopped meanwhile, SIGSTOP: the upload waits while the test acts);
 3. the same with --no-abandon: the Resume waits, the pod is hibernated and restored on A;
 4. kill -9 of feosd, then of diskd, in the middle of H2's hibernation: the pod ends either on
    the node or hibernated with a whole checkpoint, and runs again with its token;
@@ -22,7 +22,10 @@ Two boots in all (H1, H2); the rest are QEMU loading snapshots.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -82,6 +85,17 @@ def pod_on(net: PodNet, pod_id: str, *create: str) -> str:
     return token(net, pod_id)
 
 
+@contextlib.contextmanager
+def store_paused(s3: MotoS3) -> Iterator[None]:
+    """moto stopped (SIGSTOP): its requests wait, within diskd's read timeout (10 s a try), so
+    that a hibernation stays in its upload while the test acts; it goes on after."""
+    os.kill(s3.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(s3.pid, signal.SIGCONT)
+
+
 def wait_phase(net: PodNet, pod_id: str, phases: tuple[str, ...]) -> dict[str, Any]:
     """The pod's hibernation once it is in one of `phases` (GetPod's progress)."""
     deadline = time.monotonic() + PHASE_WAIT_S
@@ -134,12 +148,14 @@ def test_hibernated_on_one_node_restored_on_the_other(nodes: Nodes) -> None:
 def test_a_resume_abandons_a_hibernation(nodes: Nodes) -> None:
     a = nodes.a
     before = pod_on(a, H2)
-    hibernation = a.ctl_popen("pod", "hibernate", H2)
-    try:
-        wait_phase(a, H2, ("seal", "upload"))
-        resumed = a.ctl_json("pod", "resume", H2, timeout=600)
-    finally:
-        code, _, err = ended(hibernation)
+    with store_paused(nodes.s3):
+        hibernation = a.ctl_popen("pod", "hibernate", H2)
+        try:
+            wait_phase(a, H2, ("upload",))
+            resumed = a.ctl_json("pod", "resume", H2, timeout=600)  # with the store stopped
+        finally:
+            os.kill(nodes.s3.pid, signal.SIGCONT)
+            code, _, err = ended(hibernation)
     assert resumed["state"] == "running"
     assert code == 10 + 10 and "abandoned by a resume" in err, err  # ABORTED
     assert "seal" in err or "upload" in err  # its progress lines
@@ -150,13 +166,20 @@ def test_a_resume_abandons_a_hibernation(nodes: Nodes) -> None:
 def test_no_abandon_makes_the_resume_wait_and_restore(nodes: Nodes) -> None:
     a = nodes.a
     before = pod_on(a, H2)
-    hibernation = a.ctl_popen("--json", "pod", "hibernate", H2, "--no-abandon")
-    try:
-        progress = wait_phase(a, H2, ("seal", "upload", "commit"))
-        assert progress["noAbandon"]
-        resumed = a.ctl_json("pod", "resume", H2, timeout=600)
-    finally:
-        code, out, err = ended(hibernation)
+    with store_paused(nodes.s3):
+        hibernation = a.ctl_popen("--json", "pod", "hibernate", H2, "--no-abandon")
+        try:
+            progress = wait_phase(a, H2, ("upload",))
+            assert progress["noAbandon"]
+            resume = a.ctl_popen("--json", "pod", "resume", H2)
+            time.sleep(3)
+            assert resume.poll() is None  # it waits for the hibernation
+        finally:
+            os.kill(nodes.s3.pid, signal.SIGCONT)
+            code, out, err = ended(hibernation)
+    resumed_code, resumed_out, resumed_err = ended(resume)
+    assert resumed_code == 0, resumed_err
+    resumed = json.loads(resumed_out)
     assert code == 0, err
     assert json.loads(out)["state"] == "hibernated"
     assert resumed["state"] == "running"
@@ -167,17 +190,21 @@ def test_no_abandon_makes_the_resume_wait_and_restore(nodes: Nodes) -> None:
 def test_kill_9_mid_hibernation_ends_on_the_node_or_hibernated(nodes: Nodes, kill: str) -> None:
     a = nodes.a
     before = pod_on(a, H2)
-    hibernation = a.ctl_popen("pod", "hibernate", H2)
-    try:
-        wait_phase(a, H2, ("upload",))
-        if kill == "feosd":
-            a.kill_feosd()
-            a.start_feosd()
-        else:
-            a.feosd.diskd.kill()
-            a.feosd.start_diskd()
-    finally:
-        ended(hibernation)
+    with store_paused(nodes.s3):
+        hibernation = a.ctl_popen("pod", "hibernate", H2)
+        try:
+            wait_phase(a, H2, ("upload",))
+            if kill == "feosd":
+                a.kill_feosd()
+            else:
+                a.feosd.diskd.kill()
+        finally:
+            os.kill(nodes.s3.pid, signal.SIGCONT)
+            ended(hibernation)
+    if kill == "feosd":
+        a.start_feosd()
+    else:
+        a.feosd.start_diskd()
     deadline = time.monotonic() + 300
     pod = a.ctl_json("pod", "get", H2)
     while pod.get("hibernation") and time.monotonic() < deadline:
