@@ -200,11 +200,11 @@ def test_kill_9_mid_hibernation_ends_on_the_node_or_hibernated(nodes: Nodes, kil
                 a.feosd.diskd.kill()
         finally:
             os.kill(nodes.s3.pid, signal.SIGCONT)
+            if kill == "feosd":
+                a.start_feosd()
+            else:
+                a.feosd.start_diskd()  # feosd waits for it, and asks again
             ended(hibernation)
-    if kill == "feosd":
-        a.start_feosd()
-    else:
-        a.feosd.start_diskd()
     deadline = time.monotonic() + 300
     pod = a.ctl_json("pod", "get", H2)
     while pod.get("hibernation") and time.monotonic() < deadline:

@@ -356,3 +356,20 @@ async def test_a_restore_needs_the_snapshots_vmm_version(
             await second.pods.restore_pod({"id": P1, "checkpoint": ref})
         assert caught.value.code is Code.FAILED_PRECONDITION
         assert second.pods._pods == {}
+
+
+def test_a_checkpoint_reads_back_as_it_was_and_a_foreign_one_is_data_loss() -> None:
+    from feos.pods._hibernate import Checkpoint, SavedVolume
+
+    made = Checkpoint(pod_id=P1, spec={"memoryMib": 256}, guest_version="g1", driver="qemu",
+                      vmm="qemu 7.2.22", disk=LAYER, disk_bytes=1 << 30,
+                      volumes=(SavedVolume("v", LAYER, 64 << 20, True),), memory=MEMORY,
+                      memory_bytes=5, disk_origin="blank:g1", created_unix_ns=1)
+    assert Checkpoint.from_json(made.to_json(), "ref") == made
+    assert made.layers() == [LAYER, LAYER]
+    for body in (b"{", b"[]", b'{"format": "other/1"}',
+                 made.to_json().replace(b'"pod_id"', b'"pod"'),
+                 made.to_json().replace(b'"memoryMib":256', b'"memoryMib":3')):
+        with pytest.raises(FeosError) as caught:
+            Checkpoint.from_json(body, "ref")
+        assert caught.value.code is Code.DATA_LOSS and "checkpoint ref" in caught.value.message
