@@ -200,6 +200,11 @@ async def pod_get(client: Client, args: argparse.Namespace) -> Table:
                      f"exit {c.get('exitCode', 0)}" if c.get("state") == "exited" else ""])
     for p in (pod.get("spec", {}).get("network", {}).get("pod") or {}).get("publish", []):
         rows.append(["", "publish", publish_text(p), "", "", "", "", ""])
+    if pod.get("checkpoint"):
+        rows.append(["", "checkpoint", pod["checkpoint"], "", "", "", "", ""])
+    if h := pod.get("hibernation"):
+        moved = f"{h.get('bytesDone', 0) >> 20}/{h.get('bytesTotal', 0) >> 20} MiB"
+        rows.append(["", "hibernation", h.get("phase", ""), moved, "", "", "", ""])
     return table
 
 
