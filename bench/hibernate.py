@@ -74,7 +74,7 @@ def raw_upload(s3: MotoS3, a: PodNet, root: Path) -> tuple[float, int]:
     """The pod suspended, its bytes gathered, boto3's upload of them timed; the pod resumed."""
     a.ctl_json("pod", "suspend", POD, timeout=600)
     memory = next(a.state_dir.glob(f"vms/*/{POD}/snapshot/memory"))
-    top = Path(a.feosd.diskd.call("getDisk", id=POD)["disk"]["path"])
+    top = next((a.feosd.diskd.state_dir / "disks" / POD).glob("top.*"))  # stopped: no path
     staged = root / "raw-upload"
     with open(staged, "wb") as out:
         size = nonzero_chunks(memory, out) + nonzero_chunks(top, out)
