@@ -485,6 +485,7 @@ class Daemon:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT):
             if suspend:
                 with trio.move_on_after(max(1.0, grace - 10)):
+                    await self.pods.hibernations_done()  # a hibernated pod needs no suspend
                     await self.stop_record.suspend_all(self.pods)
             await self.pods.finish_changes(max(0.0, end - trio.current_time()))
 

@@ -38,6 +38,7 @@ class MotoS3:
     endpoint: str  # http://127.0.0.1:PORT
     bucket: str
     log: Path
+    pid: int = 0  # moto_server's (a test may stop it for a while: SIGSTOP, SIGCONT)
 
     def env(self, **extra: str) -> dict[str, str]:
         """The object store's environment as /etc/default/diskd would hold it."""
@@ -75,7 +76,7 @@ def moto_s3(
         proc = OWNER.popen([str(MOTO_SERVER), "-H", "127.0.0.1", "-p", str(port)],
                            stdout=out, stderr=subprocess.STDOUT, env=env)  # fmt: skip
     try:
-        s3 = MotoS3(f"http://127.0.0.1:{port}", bucket, log)
+        s3 = MotoS3(f"http://127.0.0.1:{port}", bucket, log, proc.pid)
         _wait_answering(proc, port, log, timeout)
         if not auth:
             s3.client().create_bucket(Bucket=bucket)

@@ -75,6 +75,21 @@ struct DiskdInfo {
   ublk @5 :Text;           # "available" or why the ublk data path cannot run here
 }
 
+struct MemorySnapshot {
+  digest @0 :Text;         # "sha256:<64 hex>" of the snapshot file: its name in the store
+  sizeBytes @1 :UInt64;
+  chunks @2 :UInt32;       # of CHUNK_SIZE (4 MiB) each, the last one shorter
+  storedChunks @3 :UInt32; # chunks holding data (chunks of zeroes are not stored)
+}
+
+struct MemoryTransfer {
+  id @0 :Text;             # the caller's name for it (a pod's ID)
+  direction @1 :Text;      # "push" or "pull"
+  bytesDone @2 :UInt64;    # of the file read and in the store (push), or written (pull)
+  bytesTotal @3 :UInt64;   # the file's size (0 until the push has opened it or the pull has
+                           # its manifest)
+}
+
 interface DiskService {
   info @0 () -> (status :Common.Status, info :DiskdInfo);
 
@@ -126,4 +141,35 @@ interface DiskService {
   # Garbage collection now: layers no disk stands on (but the empty L0 and the L0s of installed
   # guests), children before parents, and cached chunks of no layer. Only when asked: a layer
   # baked and not pushed yet would otherwise go with the last disk on it (docs/disk.md).
+
+  pushMemory @14 (id :Text, path :Text) -> (status :Common.Status, memory :MemorySnapshot);
+  # A memory snapshot file (a VMM's, read by diskd) into the object store as chunks, then its
+  # manifest, named by the file's digest; id names the transfer (memoryTransfer,
+  # abandonMemory). FAILED_PRECONDITION: no object store; ALREADY_EXISTS: a transfer of that id
+  # runs; ABORTED: abandoned (or the call cancelled) before the manifest was put: none is;
+  # UNAVAILABLE: the store refused after its tries, with its words.
+
+  pullMemory @15 (id :Text, digest :Text, path :Text, ownerUid :UInt32)
+      -> (status :Common.Status, memory :MemorySnapshot);
+  # The snapshot whole into the file path (0600, ownerUid's; its directory must exist), every
+  # chunk and the whole checked: the file appears by a rename, whole or not at all.
+  # NOT_FOUND: the store has no such snapshot; DATA_LOSS: a chunk missing or not matching its
+  # digest after its tries, or a damaged manifest; ABORTED, ALREADY_EXISTS as pushMemory.
+
+  memoryTransfer @16 (id :Text) -> (status :Common.Status, transfer :MemoryTransfer);
+  # The progress of the push or pull of that id in flight. NOT_FOUND: none runs.
+
+  abandonMemory @17 (id :Text) -> (status :Common.Status);
+  # The push or pull of that id ends with ABORTED at its next chunk; no manifest, no file.
+  # NOT_FOUND: none runs.
+
+  putCheckpoint @18 (body :Data) -> (status :Common.Status, ref :Text);
+  # A checkpoint's description (feosd's JSON) into the object store under its digest, the
+  # checkpoint's reference ("sha256:<hex>"): put last, it is a hibernation's commit point.
+  getCheckpoint @19 (ref :Text) -> (status :Common.Status, body :Data);
+  # NOT_FOUND: the store has none; DATA_LOSS: what it has is not `ref`'s bytes.
+
+  abort @20 (digest :Text) -> (status :Common.Status, aborted :UInt32);
+  # The layer pushes in flight of `digest` end with ABORTED (a hibernation abandoned); how
+  # many there were.
 }

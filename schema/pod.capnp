@@ -89,6 +89,15 @@ struct ContainerStatus {
   finishedUnixNs @5 :Int64;
 }
 
+struct Hibernation {
+  # A hibernation in flight (docs/pods.md, "Hibernate and restore").
+  phase @0 :Text;                # suspend, seal, upload, commit, release
+  bytesDone @1 :UInt64;          # of what goes to the object store
+  bytesTotal @2 :UInt64;
+  noAbandon @3 :Bool;            # a Resume waits for it instead of abandoning it
+  committed @4 :Bool;            # past the commit point: a Resume waits and restores
+}
+
 struct PodInfo {
   # Also the pod's record, <state-dir>/pods/<id>.pb.
   id @0 :Text;
@@ -107,6 +116,8 @@ struct PodInfo {
   step @13 :Text;                # the bring-up's step while pending: disk, vm, guest, volumes, containers
   generation @14 :UInt64;        # counts the pod's changes; a new pod of the same ID starts anew
   baked @15 :Text;               # the layer baked of the pod's image, once it is in the object store
+  checkpoint @16 :Text;          # while hibernated: its checkpoint in the object store (sha256:...)
+  hibernation @17 :Hibernation;  # while a hibernation runs
 }
 
 struct PodEvent {
@@ -143,9 +154,9 @@ interface PodService {
   suspendPod @6 (id :Text) -> (status :Common.Status, pod :PodInfo);
   resumePod @7 (id :Text) -> (status :Common.Status, pod :PodInfo);
   hibernatePod @8 (id :Text, noAbandon :Bool) -> (status :Common.Status, pod :PodInfo);
-  # not built yet: unimplemented
-  restorePod @9 (id :Text) -> (status :Common.Status, pod :PodInfo);
-  # not built yet: unimplemented
+  # The pod's memory and disks into the object store as a checkpoint; HIBERNATED (docs/pods.md).
+  restorePod @9 (id :Text, spec :PodSpec, checkpoint :Text) -> (status :Common.Status, pod :PodInfo);
+  # A checkpoint made on any node taken over here, as the pod of that ID: RUNNING (or STOPPED).
   execInPod @10 (id :Text, container :Text, command :List(Text), env :List(KeyValue), tty :Bool,
                  workingDir :Text, rows :UInt16, cols :UInt16)
       -> (status :Common.Status, stream :ByteStream);

@@ -17,6 +17,7 @@ struct Volume {
   podId @4 :Text;               # the pod that has it, while attached or checkpointed
   formatted @5 :Bool;           # false until the guest reported it mounted
   createdUnixNs @6 :Int64;
+  checkpoint @7 :Text;          # while checkpointed: the layer its disk is opened on next
 }
 
 interface VolumeService {

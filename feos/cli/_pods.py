@@ -1,4 +1,5 @@
-"""feosctl pod: create, list, get, start, stop, delete, suspend, resume, exec, logs, events."""
+"""feosctl pod: create, list, get, start, stop, delete, suspend, resume, exec, logs, events
+(hibernate and restore: _hibernate.py)."""
 
 from __future__ import annotations
 
@@ -199,6 +200,11 @@ async def pod_get(client: Client, args: argparse.Namespace) -> Table:
                      f"exit {c.get('exitCode', 0)}" if c.get("state") == "exited" else ""])
     for p in (pod.get("spec", {}).get("network", {}).get("pod") or {}).get("publish", []):
         rows.append(["", "publish", publish_text(p), "", "", "", "", ""])
+    if pod.get("checkpoint"):
+        rows.append(["", "checkpoint", pod["checkpoint"], "", "", "", "", ""])
+    if h := pod.get("hibernation"):
+        moved = f"{h.get('bytesDone', 0) >> 20}/{h.get('bytesTotal', 0) >> 20} MiB"
+        rows.append(["", "hibernation", h.get("phase", ""), moved, "", "", "", ""])
     return table
 
 
@@ -484,3 +490,6 @@ def register_pod(nouns: Any) -> None:
     p.add_argument("-c", "--container", default="main")
     p.add_argument("-f", "--follow", action="store_true")
     _verb(verbs, "events", pod_events, "follow the pods' events").add_argument("id", nargs="?")
+    from ._hibernate import register as register_hibernate
+
+    register_hibernate(verbs)

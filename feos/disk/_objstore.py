@@ -3,10 +3,12 @@
 docs/disk-store.md has the layout, the manifest, the checks, the tries and the timeouts.
 
 Keys, under the configured prefix: `chunks/<hex>` holds a chunk whose sha256 is <hex>;
-`layers/<hex>.json` the manifest of the layer whose file's sha256 is <hex>. A push uploads the
-chunks the bucket lacks (HEAD first) and the manifest last, so a manifest is there only when all
-of its chunks are. A pull takes every chunk from the node's ChunkCache or the bucket, checks each
-against its digest before it goes into the layer, and the assembled file against the layer's.
+`layers/<hex>.json` the manifest of the layer whose file's sha256 is <hex>; `memory/<hex>.json`
+that of a memory snapshot (a pod's hibernated memory), whose chunks are stored the same way. A
+push uploads the chunks the bucket lacks (HEAD first) and the manifest last, so a manifest is
+there only when all of its chunks are. A pull takes every chunk from the node's ChunkCache or
+the bucket, checks each against its digest before it goes into the layer, and the assembled file
+against the layer's.
 
 Every request has three tries (boto's own retries are off: one request is one try, with short
 connect and read timeouts); a refusal that another try cannot change (a 4xx but throttling) ends
@@ -58,12 +60,14 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
+M = TypeVar("M", "LayerManifest", "MemoryManifest")
 
 _DIGEST = re.compile(r"sha256:([0-9a-f]{64})\Z")
 _BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,253}[A-Za-z0-9]\Z")
 _ENDPOINT = re.compile(r"https?://[^/\s?#]+/?\Z")
 _FORMATS = ("qcow2", "raw")
 _MAX_CHUNK_SIZE = 64 * 1024 * 1024
+_MAX_CHECKPOINT = 1024 * 1024
 _MAX_MANIFEST = 256 * 1024 * 1024  # 16 TiB in 4 MiB chunks: 4 Mi entries of 67 bytes
 _RETRYABLE_CODES = {"RequestTimeout", "SlowDown", "Throttling", "ThrottlingException",
                     "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable"}  # fmt: skip
@@ -185,65 +189,134 @@ class LayerManifest:
     def from_json(cls, text: bytes | str, code: Code = Code.DATA_LOSS) -> LayerManifest:
         """Strict: every field there with its type and range, no other; `code` and the field's
         name otherwise (DATA_LOSS for a manifest from the store)."""
-        try:
-            record = json.loads(text)
-        except (ValueError, RecursionError) as exc:
-            raise FeosError(code, f"layer manifest: not JSON ({exc})") from None
-        return cls.from_record(record, code)
+        return cls.from_record(_record(text, code, "layer manifest"), code)
 
     @classmethod
     def from_record(cls, record: object, code: Code = Code.DATA_LOSS) -> LayerManifest:
         if not isinstance(record, dict):
             raise FeosError(code, "layer manifest: not a JSON object")
-        names = {f.name for f in attrs.fields(cls)}
-        if extra := sorted(set(record) - names):
-            raise FeosError(code, f"layer manifest: unknown field {extra[0]!r}")
-        if missing := sorted(names - set(record)):
-            raise FeosError(code, f"layer manifest: field {missing[0]!r} is missing")
         return _checked_manifest(record, code)
+
+    @property
+    def what(self) -> str:
+        return f"layer {self.digest}"
+
+
+class _Fields:
+    """The checks of a manifest's fields: each one's type and range, `code` and its name when
+    it is wrong."""
+
+    def __init__(self, record: dict[str, Any], code: Code, what: str) -> None:
+        self.record, self.code, self.what = record, code, what
+
+    def bad(self, field: str, rule: str) -> FeosError:
+        return FeosError(self.code, f"{self.what}: field {field!r}: {rule}")
+
+    def strict(self, names: Iterable[str]) -> None:
+        names = set(names)
+        if extra := sorted(set(self.record) - names):
+            raise FeosError(self.code, f"{self.what}: unknown field {extra[0]!r}")
+        if missing := sorted(names - set(self.record)):
+            raise FeosError(self.code, f"{self.what}: field {missing[0]!r} is missing")
+
+    def text(self, field: str, pattern: re.Pattern[str] | None = None, empty: bool = True) -> str:
+        value = self.record[field]
+        if not isinstance(value, str) or len(value) > 4096:
+            raise self.bad(field, "not a string (of at most 4096 characters)")
+        if pattern is not None and not (empty and value == "") and not pattern.match(value):
+            raise self.bad(field, f"{value!r} is not sha256:<64 hex>")
+        return value
+
+    def number(self, field: str, low: int, high: int = 2**63 - 1) -> int:
+        value = self.record[field]
+        if type(value) is not int or not low <= value <= high:
+            raise self.bad(field, f"not an integer from {low} to {high}")
+        return value
+
+    def chunks(self, size_bytes: int, chunk_size: int) -> tuple[str | None, ...]:
+        """The chunk list: one entry per chunk of the file, each null or a chunk's hex."""
+        chunks = self.record["chunks"]
+        if not isinstance(chunks, list):
+            raise self.bad("chunks", "not a list")
+        if len(chunks) != chunk_count(size_bytes, chunk_size):
+            raise self.bad("chunks", f"{len(chunks)} chunks for {size_bytes} bytes in chunks "
+                           f"of {chunk_size}")  # fmt: skip
+        for i, chunk in enumerate(chunks):
+            if chunk is not None and not (isinstance(chunk, str) and is_chunk_hex(chunk)):
+                raise self.bad("chunks", f"chunk {i} is neither null nor 64 lowercase hex digits")
+        return tuple(chunks)
+
+
+def _record(text: bytes | str, code: Code, what: str) -> dict[str, Any]:
+    try:
+        record = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise FeosError(code, f"{what}: not JSON ({exc})") from None
+    if not isinstance(record, dict):
+        raise FeosError(code, f"{what}: not a JSON object")
+    return record
 
 
 def _checked_manifest(record: dict[str, Any], code: Code) -> LayerManifest:
-    def bad(field: str, rule: str) -> FeosError:
-        return FeosError(code, f"layer manifest: field {field!r}: {rule}")
-
-    def text(field: str, pattern: re.Pattern[str] | None = None, empty: bool = True) -> str:
-        value = record[field]
-        if not isinstance(value, str) or len(value) > 4096:
-            raise bad(field, "not a string (of at most 4096 characters)")
-        if pattern is not None and not (empty and value == "") and not pattern.match(value):
-            raise bad(field, f"{value!r} is not sha256:<64 hex>")
-        return value
-
-    def number(field: str, low: int, high: int = 2**63 - 1) -> int:
-        value = record[field]
-        if type(value) is not int or not low <= value <= high:
-            raise bad(field, f"not an integer from {low} to {high}")
-        return value
-
-    if not isinstance(record["chunks"], list):
-        raise bad("chunks", "not a list")
+    fields = _Fields(record, code, "layer manifest")
+    fields.strict(f.name for f in attrs.fields(LayerManifest))
+    size_bytes = fields.number("size_bytes", 0)
+    chunk_size = fields.number("chunk_size", 4096, _MAX_CHUNK_SIZE)
     manifest = LayerManifest(
-        digest=text("digest", _DIGEST, empty=False),
-        parent=text("parent", _DIGEST),
-        size_bytes=number("size_bytes", 0),
-        virtual_bytes=number("virtual_bytes", 0),
-        guest=text("guest"),
-        image=text("image"),
-        format=text("format"),
-        chunk_size=number("chunk_size", 4096, _MAX_CHUNK_SIZE),
-        chunks=tuple(record["chunks"]),
-        created_unix_ns=number("created_unix_ns", 0),
+        digest=fields.text("digest", _DIGEST, empty=False),
+        parent=fields.text("parent", _DIGEST),
+        size_bytes=size_bytes,
+        virtual_bytes=fields.number("virtual_bytes", 0),
+        guest=fields.text("guest"),
+        image=fields.text("image"),
+        format=fields.text("format"),
+        chunk_size=chunk_size,
+        chunks=fields.chunks(size_bytes, chunk_size),
+        created_unix_ns=fields.number("created_unix_ns", 0),
     )
     if manifest.format not in _FORMATS:
-        raise bad("format", f"{manifest.format!r} is not one of {', '.join(_FORMATS)}")
-    if len(manifest.chunks) != chunk_count(manifest.size_bytes, manifest.chunk_size):
-        raise bad("chunks", f"{len(manifest.chunks)} chunks for {manifest.size_bytes} bytes "
-                  f"in chunks of {manifest.chunk_size}")  # fmt: skip
-    for i, chunk in enumerate(manifest.chunks):
-        if chunk is not None and not (isinstance(chunk, str) and is_chunk_hex(chunk)):
-            raise bad("chunks", f"chunk {i} is neither null nor 64 lowercase hex digits")
+        raise fields.bad("format", f"{manifest.format!r} is not one of {', '.join(_FORMATS)}")
     return manifest
+
+
+@attrs.frozen
+class MemoryManifest:
+    """A memory snapshot as the store keeps it: the file's digest, size and chunks in order
+    (None: a chunk of zeroes, not stored)."""
+
+    digest: str
+    size_bytes: int
+    chunk_size: int = CHUNK_SIZE
+    chunks: tuple[str | None, ...] = ()
+    created_unix_ns: int = 0
+
+    @property
+    def what(self) -> str:
+        return f"memory {self.digest}"
+
+    def to_json(self) -> bytes:
+        record = attrs.asdict(self)
+        record["chunks"] = list(self.chunks)
+        return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, text: bytes | str, code: Code = Code.DATA_LOSS) -> MemoryManifest:
+        fields = _Fields(_record(text, code, "memory manifest"), code, "memory manifest")
+        fields.strict(f.name for f in attrs.fields(cls))
+        size_bytes = fields.number("size_bytes", 0)
+        chunk_size = fields.number("chunk_size", 4096, _MAX_CHUNK_SIZE)
+        return cls(
+            digest=fields.text("digest", _DIGEST, empty=False),
+            size_bytes=size_bytes,
+            chunk_size=chunk_size,
+            chunks=fields.chunks(size_bytes, chunk_size),
+            created_unix_ns=fields.number("created_unix_ns", 0),
+        )
+
+    def chunk_at(self, offset: int) -> tuple[int, str | None]:
+        """The index of the chunk holding byte `offset` of the file, and its hex."""
+        index = offset // self.chunk_size
+        return index, self.chunks[index]
 
 
 # -- the store -------------------------------------------------------------------------------
@@ -302,6 +375,9 @@ class ObjectStore:
 
     def manifest_key(self, digest: str) -> str:
         return f"{self.config.prefix}layers/{digest_hex(digest)}.json"
+
+    def memory_key(self, digest: str) -> str:
+        return f"{self.config.prefix}memory/{digest_hex(digest)}.json"
 
     # -- requests, each with its tries
 
@@ -372,14 +448,23 @@ class ObjectStore:
     def get_manifest(self, digest: str) -> LayerManifest:
         """The layer's manifest; NOT_FOUND when the store has none, DATA_LOSS when it is bad."""
         key = self.manifest_key(digest)
+        return self._manifest(key, digest, f"layer {digest}", LayerManifest.from_json)
+
+    def get_memory(self, digest: str) -> MemoryManifest:
+        """A memory snapshot's manifest; NOT_FOUND when the store has none, DATA_LOSS when it
+        is bad."""
+        key = self.memory_key(digest)
+        return self._manifest(key, digest, f"memory snapshot {digest}", MemoryManifest.from_json)
+
+    def _manifest(self, key: str, digest: str, what: str, parse: Callable[[bytes], M]) -> M:
         data = self._request(f"manifest {key}", lambda: self._get(key, _MAX_MANIFEST))
         if data is None:
-            raise FeosError(Code.NOT_FOUND, f"{self._where} has no layer {digest}")
+            raise FeosError(Code.NOT_FOUND, f"{self._where} has no {what}")
         if len(data) > _MAX_MANIFEST:
             raise FeosError(Code.DATA_LOSS, f"{self._where}: {key} is larger than a manifest "
                             f"can be ({_MAX_MANIFEST} bytes)")  # fmt: skip
         try:
-            manifest = LayerManifest.from_json(data)
+            manifest = parse(data)
         except FeosError as exc:
             raise FeosError(Code.DATA_LOSS, f"{self._where}: {key}: {exc.message}") from None
         if manifest.digest != digest:
@@ -395,6 +480,32 @@ class ObjectStore:
             raise
         return True
 
+    # -- checkpoints (feosd's hibernations: a small JSON object under its own digest)
+
+    def checkpoint_key(self, ref: str) -> str:
+        return f"{self.config.prefix}checkpoints/{digest_hex(ref, 'ref')}.json"
+
+    def put_checkpoint(self, body: bytes) -> str:
+        """The checkpoint's description into the store; its reference, "sha256:<hex>"."""
+        if len(body) > _MAX_CHECKPOINT:
+            raise FeosError(Code.INVALID_ARGUMENT, f"a checkpoint is at most {_MAX_CHECKPOINT} "
+                            f"bytes, not {len(body)}")  # fmt: skip
+        ref = f"sha256:{hashlib.sha256(body).hexdigest()}"
+        key = self.checkpoint_key(ref)
+        self._request(f"checkpoint {key}", lambda: self._put(key, body))
+        return ref
+
+    def get_checkpoint(self, ref: str) -> bytes:
+        """NOT_FOUND: the store has none; DATA_LOSS: its bytes are not `ref`'s."""
+        key = self.checkpoint_key(ref)
+        data = self._request(f"checkpoint {key}", lambda: self._get(key, _MAX_CHECKPOINT))
+        if data is None:
+            raise FeosError(Code.NOT_FOUND, f"{self._where} has no checkpoint {ref}")
+        if f"sha256:{hashlib.sha256(data).hexdigest()}" != ref:
+            raise FeosError(Code.DATA_LOSS, f"{self._where}: {key} is not checkpoint {ref}: "
+                            "its digest does not match")  # fmt: skip
+        return data
+
     # -- push
 
     def push_layer(
@@ -407,13 +518,8 @@ class ObjectStore:
         # first, and with a GET: an error's body has the store's words (a HEAD's has none)
         there = self._request(f"manifest {key}", lambda: self._get(key, _MAX_MANIFEST))
         pushed = _PushedChunks()
-        with os_errors(f"layer file {layer_path}"):
-            fd = os.open(layer_path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                size = os.fstat(fd).st_size
-                whole, chunks = self._push_chunks(fd, size, pushed, stop, manifest.digest)
-            finally:
-                os.close(fd)
+        size, whole, chunks = self._push_file(
+            layer_path, f"layer file {layer_path}", pushed, stop, f"push of {manifest.digest}")
         if f"sha256:{whole}" != manifest.digest:
             raise FeosError(Code.DATA_LOSS, f"layer file {layer_path} is sha256:{whole}, "
                             f"not {manifest.digest}")  # fmt: skip
@@ -424,11 +530,59 @@ class ObjectStore:
                  len(chunks), pushed.count, pushed.bytes)  # fmt: skip
         return done
 
+    def push_memory(
+        self, path: Path, stop: threading.Event | None = None, progress: Progress | None = None
+    ) -> MemoryManifest:
+        """Upload a memory snapshot file's chunks the store lacks (chunks of zeroes are not
+        stored), then its manifest under the file's digest (returned). ABORTED: `stop` was set
+        before the manifest was put (none is put then)."""
+        pushed = _PushedChunks()
+        size, whole, chunks = self._push_file(path, f"memory snapshot {path}", pushed, stop,
+                                              f"push of memory {path}", progress)  # fmt: skip
+        if stop is not None and stop.is_set():
+            raise FeosError(Code.ABORTED, f"push of memory {path}: stopped by its caller")
+        manifest = MemoryManifest(digest=f"sha256:{whole}", size_bytes=size, chunks=tuple(chunks),
+                                  created_unix_ns=time.time_ns())  # fmt: skip
+        key = self.memory_key(manifest.digest)
+        self._request(f"manifest {key}", lambda: self._put(key, manifest.to_json()))
+        log.info("%s: pushed %s: %d chunks, %d uploaded (%d bytes)", self._where,
+                 manifest.what, len(chunks), pushed.count, pushed.bytes)  # fmt: skip
+        return manifest
+
+    def _push_file(
+        self,
+        path: Path,
+        name: str,
+        pushed: _PushedChunks,
+        stop: threading.Event | None,
+        what: str,
+        progress: Progress | None = None,
+    ) -> tuple[int, str, list[str | None]]:
+        """The file's chunks pushed: (its size, its sha256 hex, its chunks)."""
+        with os_errors(name):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                size = os.fstat(fd).st_size
+                if progress is not None:
+                    progress.start(size)
+                whole, chunks = self._push_chunks(fd, size, pushed, stop, what, progress)
+            finally:
+                os.close(fd)
+        return size, whole, chunks
+
     def _push_chunks(
-        self, fd: int, size: int, pushed: _PushedChunks, stop: threading.Event | None, digest: str
+        self,
+        fd: int,
+        size: int,
+        pushed: _PushedChunks,
+        stop: threading.Event | None,
+        what: str,
+        progress: Progress | None,
     ) -> tuple[str, list[str | None]]:
         """The file read in order and hashed whole, its new chunks uploaded on the pool: (the
-        whole file's sha256 hex, the chunks)."""
+        whole file's sha256 hex, the chunks). Progress counts a hole or a chunk seen before
+        when it is read, a new chunk when the store has it."""
+        done = progress.add if progress is not None else (lambda _: None)
         whole = hashlib.sha256()
         chunks: list[str | None] = []
         seen: set[str] = set()
@@ -438,26 +592,31 @@ class ObjectStore:
                 if chunk.data is None:
                     whole.update(zeroes(chunk.length))
                     chunks.append(None)
+                    done(chunk.length)
                     continue
                 whole.update(chunk.data)
                 hex_ = chunk_hex(chunk.data)
                 chunks.append(hex_)
-                if hex_ not in seen:
+                if hex_ in seen:
+                    done(chunk.length)
+                else:
                     seen.add(hex_)
                     yield hex_, chunk.data
 
         uploads = self._ordered(lambda item: self._push_chunk(*item, pushed), new_chunks(),
-                                stop, f"push of {digest}")  # fmt: skip
-        for _ in uploads:
-            pass
+                                stop, what)  # fmt: skip
+        for length in uploads:
+            done(length)
         return whole.hexdigest(), chunks
 
-    def _push_chunk(self, hex_: str, data: bytes, pushed: _PushedChunks) -> None:
+    def _push_chunk(self, hex_: str, data: bytes, pushed: _PushedChunks) -> int:
+        """The chunk into the store unless it is there: its length."""
         key = self.chunk_key(hex_)
         if self._request(f"chunk {hex_}", lambda: self._has(key)):
-            return
+            return len(data)
         self._request(f"chunk {hex_}", lambda: self._put(key, data))
         pushed.add(len(data))
+        return len(data)
 
     def _request(self, what: str, request: Callable[[], T]) -> T:
         """request(), its StoreFailure told as UNAVAILABLE with the store's words."""
@@ -484,55 +643,109 @@ class ObjectStore:
         if "/" in name or name.startswith(".") or not name:
             raise FeosError(Code.INVALID_ARGUMENT, f"layer file name {name!r}: not a plain name")
         manifest = self.get_manifest(digest)
-        owner = f"pull {digest} {uuid.uuid4()}"
+        self._pull_into(manifest, cache, dest_dir / name, stop, None, 0o444, -1)
+        return manifest
+
+    def pull_memory(
+        self,
+        digest: str,
+        cache: ChunkCache,
+        dest: Path,
+        stop: threading.Event | None = None,
+        progress: Progress | None = None,
+        owner_uid: int = -1,
+    ) -> MemoryManifest:
+        """A memory snapshot from the store into the file `dest` (0600, owned by `owner_uid`
+        when it is not -1), as pull_layer assembles a layer: every chunk checked, the file
+        whole or not at all. NOT_FOUND: the store has no such snapshot."""
+        manifest = self.get_memory(digest)
+        if progress is not None:
+            progress.start(manifest.size_bytes)
+        self._pull_into(manifest, cache, dest, stop, progress, 0o600, owner_uid)
+        return manifest
+
+    def memory_chunk(self, manifest: MemoryManifest, index: int, cache: ChunkCache) -> bytes | None:
+        """Chunk `index` of a memory snapshot, checked: from the cache, else fetched into it
+        (None: a chunk of zeroes). Blocks; DATA_LOSS or UNAVAILABLE as a pull."""
+        hex_ = manifest.chunks[index]
+        if hex_ is None:
+            return None
+        data = cache.read(hex_)
+        return data if data is not None else self._fetch_into(cache, hex_, manifest)
+
+    def _pull_into(
+        self,
+        manifest: Manifest,
+        cache: ChunkCache,
+        dest: Path,
+        stop: threading.Event | None,
+        progress: Progress | None,
+        mode: int,
+        owner_uid: int,
+    ) -> None:
+        owner = f"pull {manifest.digest} {uuid.uuid4()}"
         cache.pin(owner, (h for h in manifest.chunks if h is not None))
-        tmp = dest_dir / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp"
         try:
-            with os_errors(f"layer {digest} into {dest_dir}"):
-                self._assemble(manifest, cache, tmp, stop)
-                os.rename(tmp, dest_dir / name)
-                fsync_dir(dest_dir)
+            with os_errors(f"{manifest.what} into {dest.parent}"):
+                self._assemble(manifest, cache, tmp, stop, progress, mode, owner_uid)
+                os.rename(tmp, dest)
+                fsync_dir(dest.parent)
         except BaseException:
             unlink_quietly(tmp)
             raise
         finally:
             cache.unpin(owner)
-        return manifest
 
     def _assemble(
-        self, manifest: LayerManifest, cache: ChunkCache, tmp: Path, stop: threading.Event | None
+        self,
+        manifest: Manifest,
+        cache: ChunkCache,
+        tmp: Path,
+        stop: threading.Event | None,
+        progress: Progress | None,
+        mode: int,
+        owner_uid: int,
     ) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, manifest.size_bytes)
             flights = _Flights()
-            what = f"pull of {manifest.digest}"
+            what = f"pull of {manifest.what}"
             fetched = self._ordered(lambda h: self._chunk(h, cache, manifest, flights),
                                     manifest.chunks, stop, what)  # fmt: skip
             with contextlib.closing(fetched):  # a failure here ends the fetches now
-                self._write_chunks(fd, manifest, fetched)
-            os.fchmod(fd, 0o444)
+                self._write_chunks(fd, manifest, fetched, progress)
+            if owner_uid != -1:
+                os.fchown(fd, owner_uid, -1)
+            os.fchmod(fd, mode)
             os.fsync(fd)
         finally:
             os.close(fd)
 
     def _write_chunks(
-        self, fd: int, manifest: LayerManifest, fetched: Iterable[bytes | None]
+        self,
+        fd: int,
+        manifest: Manifest,
+        fetched: Iterable[bytes | None],
+        progress: Progress | None,
     ) -> None:
         whole = hashlib.sha256()
         for i, data in enumerate(fetched):
+            length = min(manifest.chunk_size, manifest.size_bytes - i * manifest.chunk_size)
             if data is None:
-                length = min(manifest.chunk_size, manifest.size_bytes - i * manifest.chunk_size)
                 whole.update(zeroes(length))
             else:
                 whole.update(data)
                 pwrite_all(fd, data, i * manifest.chunk_size)
+            if progress is not None:
+                progress.add(length)
         if f"sha256:{whole.hexdigest()}" != manifest.digest:
-            raise FeosError(Code.DATA_LOSS, f"layer {manifest.digest} assembled from its "
+            raise FeosError(Code.DATA_LOSS, f"{manifest.what} assembled from its "
                             f"chunks is sha256:{whole.hexdigest()}")  # fmt: skip
 
     def _chunk(
-        self, hex_: str | None, cache: ChunkCache, manifest: LayerManifest, flights: _Flights
+        self, hex_: str | None, cache: ChunkCache, manifest: Manifest, flights: _Flights
     ) -> bytes | None:
         """A chunk's verified bytes: the cache's, else fetched (and then cached). A chunk that
         comes again in the layer waits for its first fetch and is read from the cache."""
@@ -553,31 +766,31 @@ class ObjectStore:
         flight.set_result(None)
         return data
 
-    def _fetch_into(self, cache: ChunkCache, hex_: str, manifest: LayerManifest) -> bytes:
+    def _fetch_into(self, cache: ChunkCache, hex_: str, manifest: Manifest) -> bytes:
         data = self._fetch_chunk(hex_, manifest)
         cache.put(hex_, data)
         return data
 
-    def _fetch_chunk(self, hex_: str, manifest: LayerManifest) -> bytes:
+    def _fetch_chunk(self, hex_: str, manifest: Manifest) -> bytes:
         """The chunk from the store, refused and fetched again while its bytes do not match."""
         key = self.chunk_key(hex_)
         for attempt in range(self.config.tries):
             try:
                 data = self._get(key, manifest.chunk_size)  # more cannot match
             except StoreFailure as failure:
-                what = f"chunk {hex_} of layer {manifest.digest}"
+                what = f"chunk {hex_} of {manifest.what}"
                 raise self._unavailable(what, failure) from None
             if data is None:
-                raise FeosError(Code.DATA_LOSS, f"{self._where}: chunk {hex_} of layer "
-                                f"{manifest.digest} is missing ({key})")  # fmt: skip
+                raise FeosError(Code.DATA_LOSS, f"{self._where}: chunk {hex_} of "
+                                f"{manifest.what} is missing ({key})")  # fmt: skip
             if chunk_hex(data) == hex_:
                 return data
             log.warning("%s: chunk %s came with sha256 %s: refused (try %d of %d)", self._where,
                         hex_, chunk_hex(data), attempt + 1, self.config.tries)  # fmt: skip
             if attempt + 1 < self.config.tries:
                 time.sleep(self.config.retry_delay_s * 2**attempt)
-        raise FeosError(Code.DATA_LOSS, f"{self._where}: chunk {hex_} of layer "
-                        f"{manifest.digest} does not match its digest after "
+        raise FeosError(Code.DATA_LOSS, f"{self._where}: chunk {hex_} of "
+                        f"{manifest.what} does not match its digest after "
                         f"{self.config.tries} tries: refused")  # fmt: skip
 
     def _ordered(
@@ -641,6 +854,23 @@ class _Flights:
 
 
 @attrs.define
+class Progress:
+    """One transfer's bytes done of its total: written by its threads, read by anyone."""
+
+    total: int = 0
+    done: int = 0
+    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    def start(self, total: int) -> None:
+        with self._lock:
+            self.total, self.done = total, 0
+
+    def add(self, size: int) -> None:
+        with self._lock:
+            self.done += size
+
+
+@attrs.define
 class _PushedChunks:
     """What one push uploaded, counted from its pool's threads."""
 
@@ -661,3 +891,7 @@ def _same_layer(there: bytes, manifest: LayerManifest) -> bool:
     except FeosError:
         return False  # a damaged one is replaced
     return attrs.evolve(kept, created_unix_ns=manifest.created_unix_ns) == manifest
+
+
+Manifest = LayerManifest | MemoryManifest
+"""What a pull assembles: a layer or a memory snapshot."""

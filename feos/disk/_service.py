@@ -13,11 +13,13 @@ diskd's start, or starts it again where it died while diskd was away.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from ..errors import Code, FeosError, invalid
 from . import _export
 from ._chunks import ChunkCache
 from ._files import Files, allocated, sha256_file
+from ._memory import MemoryTransfers
 from ._model import (
     EMPTY_DIGEST,
     Disk,
@@ -78,6 +81,8 @@ class DiskService:
         self.disks: dict[str, Disk] = {}
         self._disk_locks: dict[str, trio.Lock] = {}
         self._layers_lock = trio.Lock()
+        self._stops: dict[str, set[threading.Event]] = {}  # the pushes in flight, by digest
+        self.memory = MemoryTransfers(self._need_store, cache)
 
     # -- start -------------------------------------------------------------------------------
 
@@ -332,12 +337,47 @@ class DiskService:
             if not layer.parent or layer.pushed:
                 continue
             path = self.files.layer_path(below)
-            await trio.to_thread.run_sync(store.push_layer, path, _manifest(layer))
+            with self._stoppable(digest) as stop:
+                await trio.to_thread.run_sync(store.push_layer, path, _manifest(layer), stop)
             pushed = attrs.evolve(layer, pushed=True)
             await trio.to_thread.run_sync(self.files.record_layer, pushed)
             self.layers = {**self.layers, below: pushed}
             log.info("layer %s: pushed", below)
         return {"layer": self._layer_answer(self.layers[digest])}
+
+    @contextlib.contextmanager
+    def _stoppable(self, digest: str) -> Iterator[threading.Event]:
+        """A push of `digest` that `abort` may end (push_layer's stop: ABORTED)."""
+        stop = threading.Event()
+        self._stops.setdefault(digest, set()).add(stop)
+        try:
+            yield stop
+        finally:
+            self._stops[digest].discard(stop)
+            if not self._stops[digest]:
+                del self._stops[digest]
+
+    async def abort(self, params: dict[str, Any]) -> dict[str, Any]:
+        digest = check_digest(_text(params, "digest"))
+        stops = self._stops.get(digest, set())
+        for stop in stops:
+            stop.set()
+        if stops:
+            log.info("push of %s: aborted (%d in flight)", digest, len(stops))
+        return {"aborted": len(stops)}
+
+    async def put_checkpoint(self, params: dict[str, Any]) -> dict[str, Any]:
+        body = params.get("body", b"")
+        if not isinstance(body, bytes) or not body:
+            raise invalid("body", "must be a checkpoint's bytes")
+        ref = await trio.to_thread.run_sync(self._need_store().put_checkpoint, body)
+        log.info("checkpoint %s: put (%d bytes)", ref, len(body))
+        return {"ref": ref}
+
+    async def get_checkpoint(self, params: dict[str, Any]) -> dict[str, Any]:
+        ref = check_digest(_text(params, "ref"), "ref")
+        body = await trio.to_thread.run_sync(self._need_store().get_checkpoint, ref)
+        return {"body": body}
 
     async def pull(self, params: dict[str, Any]) -> dict[str, Any]:
         """The layer and those beneath it that diskd lacks; an L0 from its guest's install."""
@@ -391,6 +431,22 @@ class DiskService:
             evicted, cache_freed = await trio.to_thread.run_sync(self._cache.evict)
         return {"layersRemoved": len(doomed), "chunksEvicted": evicted,
                 "bytesFreed": freed + cache_freed}
+
+
+    # -- memory snapshots ----------------------------------------------------------------------
+
+    async def push_memory(self, params: dict[str, Any]) -> dict[str, Any]:
+        return await self.memory.push(_text(params, "id"), _text(params, "path"))
+
+    async def pull_memory(self, params: dict[str, Any]) -> dict[str, Any]:
+        return await self.memory.pull(_text(params, "id"), _text(params, "digest"),
+                                      _text(params, "path"), _number(params, "ownerUid"))
+
+    async def memory_transfer(self, params: dict[str, Any]) -> dict[str, Any]:
+        return self.memory.look(_text(params, "id"))
+
+    async def abandon_memory(self, params: dict[str, Any]) -> dict[str, Any]:
+        return self.memory.abandon(_text(params, "id"))
 
 
 def _manifest(layer: Layer) -> LayerManifest:

@@ -11,6 +11,7 @@ the node's own calls).
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -61,6 +62,25 @@ class CreatePod:
 class StartPod:
     id: str = attrs.field(default="", converter=check_pod_id)
     pull_token: str = attrs.field(default="", repr=False)
+
+
+@attrs.frozen
+class HibernatePod:
+    id: str = attrs.field(default="", converter=check_pod_id)
+    no_abandon: bool = False
+
+
+def _checkpoint_ref(value: str) -> str:
+    if not re.fullmatch(r"sha256:[0-9a-f]{64}", value):
+        raise invalid("checkpoint", f"{value!r} is not sha256:<64 lowercase hex digits>")
+    return value
+
+
+@attrs.frozen
+class RestorePod:
+    id: str = attrs.field(default="", converter=check_pod_id)
+    spec: PodSpec | None = None  # None: the checkpoint's own
+    checkpoint: str = attrs.field(default="", converter=_checkpoint_ref)
 
 
 @attrs.frozen

@@ -112,6 +112,11 @@ class BringUp:
                       backing=tuple(backing), tap=tap, mac=mac, metadata=metadata(pod))
         return spec, fresh
 
+    async def vm_spec(self, pod: Pod) -> VmSpec:
+        """A restore's microVM: the disks it made started, the link made (feos.pods._hibernate)."""
+        spec, _ = await self._prepare(pod)
+        return spec
+
     async def _ensure_vm(self, pod: Pod, spec: VmSpec) -> VmInfo:
         info = self._vm(pod)
         if info is not None and info.state is VmState.SUSPENDED:

@@ -4,6 +4,10 @@ Every state a pod takes is looked up here, by the pod service's one `_apply`: no
 state by hand. Events are what happens to a pod:
 
 - the calls that change it: create, start, stop, suspend, resume, delete;
+- a hibernation's end (hibernate: its checkpoint is in the object store and the record names
+  it) and a restore's middle (restore: the checkpoint's disks, and its memory if it has any,
+  are on the node again: SUSPENDED or STOPPED, which a resume or a start then ends), and the
+  take-over of a checkpoint made elsewhere (take: ABSENT to HIBERNATED, feos.pods._hibernate);
 - the bring-up's end: up (every container started) or failed (it did not, or its time ran out);
 - what its microVM did on its own while the pod ran: crashed, stopped, suspended (the microVM
   layer's events; in any other state the change that holds the pod's lock made them itself);
@@ -45,6 +49,13 @@ TABLE: dict[tuple[str, str], str] = {
     (SUSPENDED, "resume"): RUNNING,
     (SUSPENDED, "suspend"): SUSPENDED,
     (SUSPENDED, "stop"): STOPPED,
+    # hibernation and restore (feos.pods._hibernate)
+    (SUSPENDED, "hibernate"): HIBERNATED,
+    (STOPPED, "hibernate"): HIBERNATED,
+    (HIBERNATED, "hibernate"): HIBERNATED,
+    (HIBERNATED, "restore-memory"): SUSPENDED,
+    (HIBERNATED, "restore-disks"): STOPPED,
+    (ABSENT, "take"): HIBERNATED,
     # the microVM on its own
     (RUNNING, "crashed"): FAILED,
     (RUNNING, "stopped"): STOPPED,  # the guest shut itself down
@@ -63,7 +74,8 @@ for _state in (PENDING, RUNNING, STOPPED, FAILED, SUSPENDED, HIBERNATED):
 
 WHY_NOT = {
     "suspend": "only a running pod can be suspended",
-    "resume": "only a suspended pod can be resumed",
+    "resume": "only a suspended or hibernated pod can be resumed",
+    "hibernate": "only a running, suspended or stopped pod can be hibernated",
     "start": "only a stopped or failed pod can be started",
 }
 

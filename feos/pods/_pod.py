@@ -37,9 +37,12 @@ class Pod:
     disk: str = ""  # what its disk was made on (feos.pods._bake: "blank:<guest>", "layer:<digest>")
     baked: str = ""  # the layer baked of it, once it is in the object store
     generation: int = 0
+    checkpoint: str = ""  # while HIBERNATED: its checkpoint's reference in the object store
     lock: trio.Lock = attrs.field(factory=trio.Lock)
     bringup: Change[None] | None = None  # the bring-up in flight, or the last one
     pull_token: str = attrs.field(default="", repr=False)  # memory only, for the next bring-up
+    hibernation: Any = None  # the hibernation in flight (feos.pods._hibernate.Progress)
+    hibernating: Change[dict[str, Any]] | None = None  # its change, which a second call joins
 
     def record(self) -> dict[str, Any]:
         return {
@@ -49,6 +52,7 @@ class Pod:
             "changedUnixNs": self.changed_ns, "guestVersion": self.guest_version,
             "driver": self.driver, "imageLayers": self.image_layers,
             "disk": self.disk, "baked": self.baked, "generation": self.generation,
+            "checkpoint": self.checkpoint,
         }  # fmt: skip
 
     def answer(self, containers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -56,6 +60,8 @@ class Pod:
         answer = self.record()
         if containers:
             answer["containers"] = containers
+        if self.hibernation is not None:
+            answer["hibernation"] = self.hibernation.answer()
         return answer
 
 
@@ -69,7 +75,7 @@ def from_record(data: dict[str, Any]) -> Pod:
         changed_ns=data.get("changedUnixNs", 0), guest_version=data.get("guestVersion", ""),
         driver=data.get("driver", ""), image_layers=data.get("imageLayers", {}),
         disk=data.get("disk", ""), baked=data.get("baked", ""),
-        generation=data.get("generation", 0),
+        generation=data.get("generation", 0), checkpoint=data.get("checkpoint", ""),
     )  # fmt: skip
 
 

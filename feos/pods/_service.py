@@ -34,7 +34,18 @@ from ..records import RecordDir
 from ..rpc import Cap
 from ..vmm import Crashed, Stopped, Suspended, VmEvent, VmInfo, VmState
 from . import _lifecycle as lc
-from ._api import CreatePod, ExecInPod, ListPods, PodLogs, PodRef, StartPod, WatchEvents, edge
+from ._api import (
+    CreatePod,
+    ExecInPod,
+    HibernatePod,
+    ListPods,
+    PodLogs,
+    PodRef,
+    RestorePod,
+    StartPod,
+    WatchEvents,
+    edge,
+)
 from ._bake import Baker
 from ._bringup import BringUp
 from ._changes import (
@@ -56,10 +67,12 @@ from ._changes import (
 from ._console import console_log
 from ._disks import DiskdPort, PodDisks, pod_disk
 from ._events import EventHub
+from ._hibernate import HIBERNATE_S, RESTORE_S, Hibernator, Progress
 from ._netface import NetworkFace, naming
 from ._network import PodNet, PodNetworkService
 from ._pod import Pod, container_status, from_record
 from ._ports import Guest, MicroVmsPort, Named, NetworkConfig, Records, Volumes
+from ._spec import parse_spec
 from ._streams import open_exec, open_logs
 
 log = logging.getLogger(__name__)
@@ -102,6 +115,9 @@ class PodService:
                                 step=self._step, keep=self._keep, attach_s=attach_timeout,
                                 baker=self._baker)
         self.events = EventHub()
+        self._hib = Hibernator(state_dir, vms, volumes, diskd=diskd, disks=self.disks,
+                               network=self._net, bringup=self._bringup, apply=self._apply,
+                               keep=self._keep, tell=self._tell)
 
     # -- running ---------------------------------------------------------------------------
 
@@ -156,6 +172,8 @@ class PodService:
         if network is None or network.unavailable() is not None:
             return
         for pod in self._pods.values():
+            if pod.state == lc.HIBERNATED:
+                continue  # its addresses were given back
             try:
                 changed = await self._net.allocate(pod)
             except FeosError as exc:
@@ -181,6 +199,10 @@ class PodService:
         """A kept pod after a restart: its microVM's record decides, a cut bring-up goes on."""
         if pod.state == lc.PENDING:
             self._spawn_bring_up(pod)
+            return
+        if pod.state == lc.HIBERNATED:  # a release that the restart may have cut
+            self._changes.submit(self._new_change(pod, "release", RESTORE_S,
+                                                  self._hib.finish_release), node=True)
             return
         event, reason = found(self._vm(pod.id))
         if lc.allows(pod.state, event):
@@ -240,6 +262,9 @@ class PodService:
             self.events.publish(pod.id, pod.state, reason=f"baked {digest} is in the object store")
 
         self._changes.submit(self._new_change(pod, "baked", RECORD_S, record), node=True)
+
+    def _tell(self, pod: Pod, reason: str) -> None:
+        self.events.publish(pod.id, pod.state, reason=reason)
 
     def _step(self, pod: Pod, step: str) -> None:
         pod.step = step
@@ -311,7 +336,7 @@ class PodService:
     # -- the network ------------------------------------------------------------------------
 
     def network_pods(self) -> list[PodNet]:
-        return self._net.pods(self._pods.values())
+        return self._net.pods(p for p in self._pods.values() if p.state != lc.HIBERNATED)
 
     async def guest_network(self, pod_id: str) -> NetworkConfig | None:
         """The guest's network configuration, pushed after an attach and a resume."""
@@ -482,9 +507,92 @@ class PodService:
     async def resume_pod(self, req: PodRef) -> dict[str, Any]:
         self._changes.check()
         pod = self._get(req.id)
-        return await self._change(pod, "resume", RESUME_S, answered(self._resume))
+        progress = pod.hibernation
+        if isinstance(progress, Progress) and progress.abandonable:
+            await self._hib.abandon(pod, progress)  # the resume below gets the lock after it
+        deadline = RESTORE_S if pod.state == lc.HIBERNATED or progress else RESUME_S
+        return await self._change(pod, "resume", deadline, answered(self._resume))
+
+    # -- the API: hibernate and restore (feos.pods._hibernate) -----------------------------
+
+    @edge(HibernatePod)
+    async def hibernate_pod(self, req: HibernatePod) -> dict[str, Any]:
+        self._changes.check()
+        pod = self._get(req.id)
+        change = pod.hibernating
+        if change is None or change.done.is_set():
+            progress = Progress(no_abandon=req.no_abandon)
+
+            async def hibernate(pod: Pod) -> dict[str, Any]:
+                pod.hibernation = progress
+                try:
+                    await self._hib.hibernate(pod, progress, suspend=self._suspend,
+                                              resume=self._resume)
+                finally:
+                    pod.hibernation = None
+                return {"pod": pod.answer()}
+
+            change = pod.hibernating = self._changes.submit(
+                self._new_change(pod, "hibernation", HIBERNATE_S, hibernate))
+        return await change.result()
+
+    @edge(RestorePod)
+    async def restore_pod(self, req: RestorePod) -> dict[str, Any]:
+        """A checkpoint taken over as the pod of its ID (kept), then resumed as a hibernated
+        pod of this node's is. A pod of the ID here already: ALREADY_EXISTS."""
+        self._changes.check()
+        checkpoint = await self._hib.fetch(req.checkpoint)
+        if checkpoint.pod_id != req.id:
+            raise FeosError(Code.INVALID_ARGUMENT, f"checkpoint {req.checkpoint} is of pod "
+                            f"{checkpoint.pod_id}, not {req.id}")  # fmt: skip
+        made = parse_spec(checkpoint.spec)
+        spec = req.spec or made
+        if (spec.vcpus, spec.memory_mib, spec.volume_ids()) != (
+                made.vcpus, made.memory_mib, made.volume_ids()):
+            raise FeosError(Code.INVALID_ARGUMENT, "spec: its vCPUs, memory and volumes must be "
+                            f"the checkpoint's ({made.vcpus}, {made.memory_mib} MiB, "
+                            f"{list(made.volume_ids())})")  # fmt: skip
+        self._hib.check_runnable(checkpoint)
+        now = time.time_ns()
+        new = Pod(req.id, spec, state=lc.ABSENT, created_ns=now, changed_ns=now,
+                  checkpoint=req.checkpoint)
+
+        async def take(pod: Pod) -> Pod:
+            async with self._pods_lock:
+                if pod.id in self._pods:
+                    raise FeosError(Code.ALREADY_EXISTS, f"pod {pod.id} exists on this node")
+                self._net.check_can_make(pod)
+                await self._hib.take(pod, checkpoint)
+                self._pods[pod.id] = pod
+                await self._apply(pod, "take", f"checkpoint {req.checkpoint} taken over")
+            return pod
+
+        pod = await self._change(new, "restore", CREATE_S, take, acts=_new)
+        try:
+            return await self._change(pod, "resume", RESTORE_S, answered(self._resume))
+        except FeosError:
+            if pod.state == lc.HIBERNATED:  # nothing of it is left half made here
+                await self._change(pod, "delete", DELETE_S, self._forget_taken, node=True)
+            raise
+
+    async def _forget_taken(self, pod: Pod) -> None:
+        await self._delete(pod)
+        await self._volumes.forget_checkpointed(pod.id)
+
+    async def hibernations_done(self) -> None:
+        """feosd's suspend-on-stop: the hibernations in flight end first (within its grace)."""
+        for pod in list(self._pods.values()):
+            change = pod.hibernating
+            if change is not None:
+                await change.done.wait()
 
     async def _resume(self, pod: Pod) -> None:
+        if pod.state == lc.HIBERNATED:
+            await self._hib.restore(pod)
+            if pod.state == lc.STOPPED:  # a checkpoint of disks alone: the pod boots on them
+                await self._apply(pod, "start", step="start")
+                self._spawn_bring_up(pod)
+                return
         if lc.next_state(pod.state, "resume", pod.id) == pod.state:
             return
         self._net.check_named(pod)

@@ -46,6 +46,7 @@ class Volume:
     pod_id: str = ""
     formatted: bool = False
     created_unix_ns: int = 0
+    checkpoint: str = ""  # while CHECKPOINTED: its layer in the object store
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -56,6 +57,7 @@ class Volume:
             "podId": self.pod_id,
             "formatted": self.formatted,
             "createdUnixNs": self.created_unix_ns,
+            "checkpoint": self.checkpoint,
         }
 
     @classmethod
@@ -68,6 +70,7 @@ class Volume:
             pod_id=data.get("podId", ""),
             formatted=data.get("formatted", False),
             created_unix_ns=data.get("createdUnixNs", 0),
+            checkpoint=data.get("checkpoint", ""),
         )
 
 
@@ -263,6 +266,8 @@ class VolumeService:
                     )
             for volume_id in volume_ids:
                 volume = self._get(volume_id)
+                if volume.state == CHECKPOINTED and volume.pod_id == pod_id:
+                    continue  # opened from its checkpoint at its pod's next boot
                 if volume.pod_id != pod_id or volume.state != ATTACHED:
                     await self._keep(attrs.evolve(volume, state=ATTACHED, pod_id=pod_id))
 
@@ -272,6 +277,41 @@ class VolumeService:
             for volume in self.store:
                 if volume.pod_id == pod_id and volume.state == ATTACHED:
                     await self._keep(attrs.evolve(volume, state=AVAILABLE, pod_id=""))
+
+    async def checkpointed(self, pod_id: str, layers: dict[str, str]) -> None:
+        """A hibernation's commit: each volume's data is the layer named, in the object store."""
+        async with self.store.lock:
+            for volume_id, layer in layers.items():
+                volume = self._get(volume_id)
+                await self._keep(attrs.evolve(volume, state=CHECKPOINTED, pod_id=pod_id,
+                                              checkpoint=layer))
+
+    async def take_checkpointed(self, pod_id: str, volumes: Sequence[Volume]) -> None:
+        """A checkpoint made elsewhere: its volumes recorded here, CHECKPOINTED to its pod.
+        FAILED_PRECONDITION: one of the IDs is here already, another pod's or with other data."""
+        async with self.store.lock:
+            for volume in volumes:
+                have = self.store.get(volume.id)
+                if have is not None and (have.pod_id != pod_id or have.state == AVAILABLE):
+                    raise FeosError(Code.FAILED_PRECONDITION,
+                                    f"volume {volume.id} is on this node already")
+            for volume in volumes:
+                if self.store.get(volume.id) is None:
+                    await self._keep(attrs.evolve(volume, state=CHECKPOINTED, pod_id=pod_id))
+
+    async def forget_checkpointed(self, pod_id: str) -> None:
+        """A restore that failed: the volumes it took over from the checkpoint go again."""
+        async with self.store.lock:
+            for volume in list(self.store):
+                if volume.pod_id == pod_id and volume.state == CHECKPOINTED:
+                    await self.store.remove(volume.id)
+
+    async def opened(self, volume_id: str) -> None:
+        """Its disk was made on its checkpoint again: ATTACHED."""
+        async with self.store.lock:
+            volume = self._get(volume_id)
+            if volume.state == CHECKPOINTED:
+                await self._keep(attrs.evolve(volume, state=ATTACHED, checkpoint=""))
 
     async def mark_formatted(self, volume_id: str) -> None:
         async with self.store.lock:

@@ -35,6 +35,7 @@ import mmap
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -119,6 +120,7 @@ class QemuDriver:
         self._confine = confine
         self._tsc_khz = tsc_khz if tsc_khz is not None else host_tsc_khz()
         self._live: dict[str, _Live] = {}
+        self._version: str | None = None
 
     # -- paths and config -----------------------------------------------------------------
 
@@ -127,6 +129,22 @@ class QemuDriver:
 
     def guest_link(self, vm: VmHandle) -> Path:
         return vm.directory / "guest.sock"
+
+    def snapshot_file(self, vm: VmHandle) -> Path:
+        return vm.directory / "snapshot" / SNAPSHOT_FILE
+
+    def version(self) -> str:
+        """"qemu <version>": a snapshot loads only into the QEMU that wrote it."""
+        if self._version is None:
+            try:
+                out = subprocess.run([self._qemu, "--version"], capture_output=True, text=True,
+                                     timeout=10, check=True).stdout
+            except (OSError, subprocess.SubprocessError) as exc:
+                raise FeosError(Code.FAILED_PRECONDITION,
+                                f"QEMU ({self._qemu}) does not answer --version: {exc}") from None
+            words = out.split()
+            self._version = "qemu " + (words[3] if len(words) > 3 else out.strip())
+        return self._version
 
     def late_snapshot(self, vm: VmHandle) -> bool:
         return (vm.directory / LATE_MARKER).exists()

@@ -534,6 +534,62 @@ class MicroVms:
                 await trio.to_thread.run_sync(self._records.remove, vm_id)
             self._vms.pop(vm_id, None)
 
+    # -- hibernation's parts (feos.pods._hibernate) -------------------------------------
+
+    def snapshot_file(self, vm_id: str) -> Path:
+        """The memory of a suspended microVM, the file its VMM reads at a resume.
+        FAILED_PRECONDITION: its VMM keeps none that another node could load (Firecracker's
+        memory is served lazily by diskd: not built here)."""
+        vm = self._get(vm_id)
+        where = getattr(self._driver(vm), "snapshot_file", None)
+        if where is None:
+            raise FeosError(Code.FAILED_PRECONDITION,
+                            f"{vmm_name(vm.record.driver)} snapshots cannot be hibernated here")
+        path: Path = where(vm.handle)
+        return path
+
+    def vmm_version(self, driver: str | None = None) -> str:
+        """The VMM's version, which a snapshot's restore must run (\"qemu 7.2.19\")."""
+        name = driver or self._choose().driver
+        version = getattr(self._drivers.get(name), "version", None)
+        if version is None:
+            raise FeosError(Code.FAILED_PRECONDITION, f"{vmm_name(name)} is not installed here")
+        found: str = version()
+        return found
+
+    async def restore(self, vm_id: str, spec: VmSpec, *, guest_version: str, driver: str,
+                      memory: Path) -> VmInfo:
+        """A microVM made SUSPENDED on a snapshot's memory (moved in), as it was on the node
+        that made it: the same guest and VMM, which must be installed (FAILED_PRECONDITION)."""
+        check_id(vm_id)
+        _check_spec(spec)
+        if vm_id in self._vms:
+            raise FeosError(Code.ALREADY_EXISTS, f"microVM {vm_id} exists")
+        gdir = (self._guest_root or guest_root()) / guest_version
+        if not (gdir / "manifest.json").exists():
+            raise FeosError(Code.FAILED_PRECONDITION,
+                            f"the snapshot's guest {guest_version} is not installed here")
+        if driver not in self._drivers:
+            raise FeosError(Code.FAILED_PRECONDITION, f"{vmm_name(driver)} is not installed here")
+        accel = self._choose().accel if self._choose().driver == driver else "tcg"
+        record = VmRecord(vm_id, driver, VmState.SUSPENDED, "restored", guest_version, accel,
+                          spec, self._free_uid())  # fmt: skip
+        vm = self._new_vm(record, gdir)
+        async with vm.lock:
+            self._vms[vm_id] = vm
+            try:
+                await self._driver(vm).prepare(vm.handle)
+                target = self.snapshot_file(vm_id)
+                await trio.to_thread.run_sync(_move_in, memory, target)
+            except BaseException:
+                del self._vms[vm_id]
+                with trio.CancelScope(shield=True), trio.move_on_after(30):
+                    await self._driver(vm).delete(vm.handle)
+                raise
+            await self._record(vm, VmState.SUSPENDED, "restored")
+            self._start_link(vm)
+        return self._info(vm)
+
     def get(self, vm_id: str) -> VmInfo:
         return self._info(self._get(vm_id))
 
@@ -762,6 +818,11 @@ async def accept_guest(listener: socket.socket, path: str, deadline: float = 5.0
         raise FeosError(Code.UNAVAILABLE, "the guest link closed before the hello") from None
     except OSError as exc:
         raise FeosError(Code.UNAVAILABLE, f"the guest link {path}: {exc.strerror or exc}") from None
+
+
+def _move_in(memory: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    memory.replace(target)
 
 
 def _check_spec(spec: VmSpec) -> None:

@@ -229,13 +229,14 @@ async def _no_disks(self: _bringup.BringUp, pod: Any) -> tuple[VmSpec, bool]:
 
 @contextlib.asynccontextmanager
 async def node(tmp_path: Path, monkeypatch: Any, *, records: FakeRecords | None = None,
-               vms: FakeVms | None = None) -> AsyncIterator[Node]:
+               vms: FakeVms | None = None, volumes: FakeVolumes | None = None,
+               diskd: FakeDiskd | None = None) -> AsyncIterator[Node]:
     """A pod service over fakes, running; its nursery is cancelled at the end."""
     monkeypatch.setattr(_bringup.BringUp, "_prepare", _no_disks)
     vms = vms or FakeVms()
-    volumes = FakeVolumes()
+    volumes = volumes or FakeVolumes()
     records = records or FakeRecords()
-    diskd = FakeDiskd()
+    diskd = diskd or FakeDiskd()
     made = Node(PodService(tmp_path, vms, volumes, records=records, diskd=diskd), vms, volumes,
                 records, diskd)
     made.pods.load()

@@ -119,7 +119,7 @@ def test_the_table_refuses_what_a_state_does_not_allow() -> None:
     with pytest.raises(FeosError, match="only a running pod can be suspended") as caught:
         lc.next_state(lc.STOPPED, "suspend", "p")
     assert caught.value.code is Code.FAILED_PRECONDITION
-    with pytest.raises(FeosError, match="only a suspended pod can be resumed"):
+    with pytest.raises(FeosError, match="only a suspended or hibernated pod can be resumed"):
         lc.next_state(lc.PENDING, "resume", "p")
 
 
