@@ -68,33 +68,35 @@ def tiny_kernel() -> bytes:
     return elf_kernel(_say(TINY_TEXT + b"\n") + b"\xf4\xeb\xfd")  # hlt; jmp hlt
 
 
-def pattern_kernel() -> bytes:
-    """The pattern's writer and reader (module docstring). Assembled from:
+def pattern_kernel(fill_bytes: int = PATTERN_BYTES, check_bytes: int = PATTERN_BYTES) -> bytes:
+    """The pattern's writer (over fill_bytes from PATTERN_START) and reader (over the first
+    check_bytes of it), as the module docstring says. Assembled from:
 
-        mov rdi, START; mov rcx, START + BYTES; movabs rbx, KEY
+        mov rdi, START; mov rcx, START + FILL; movabs rbx, KEY
     fill:  mov rdx, rdi; xor rdx, rbx; mov [rdi], rdx; add rdi, 8; cmp rdi, rcx; jb fill
-        (say "W\\n")
+        (say "W\\n"); mov rcx, START + CHECK
     check: mov rdi, START
     loop:  mov rdx, rdi; xor rdx, rbx; cmp [rdi], rdx; jne bad; add rdi, 8; cmp rdi, rcx; jb loop
         (say "K\\n"); jmp check
     bad:   (say "B\\n"); hlt; jmp hlt
     """
     start = b"\x48\xc7\xc7" + struct.pack("<I", PATTERN_START)  # mov rdi, imm32
-    end = b"\x48\xc7\xc1" + struct.pack("<I", PATTERN_START + PATTERN_BYTES)  # mov rcx, imm32
+    fill_end = b"\x48\xc7\xc1" + struct.pack("<I", PATTERN_START + fill_bytes)  # mov rcx, imm32
+    check_end = b"\x48\xc7\xc1" + struct.pack("<I", PATTERN_START + check_bytes)
     key = b"\x48\xbb" + struct.pack("<Q", PATTERN_KEY)  # movabs rbx, imm64
     word = b"\x48\x89\xfa\x48\x31\xda"  # mov rdx, rdi; xor rdx, rbx
     step = b"\x48\x83\xc7\x08\x48\x39\xcf"  # add rdi, 8; cmp rdi, rcx
     fill = word + b"\x48\x89\x17" + step  # ... mov [rdi], rdx ...
     fill += b"\x72" + bytes([(-(len(fill) + 2)) & 0xFF])  # jb fill
     say_ok, say_bad = _say(PATTERN_OK), _say(PATTERN_BAD)
-    after_jne = step + b"\x72"  # jb loop follows, then "K", then jmp check
     check_body = word + b"\x48\x39\x17"  # cmp [rdi], rdx
-    loop_len = len(check_body) + 2 + len(after_jne) + 1
     jne = b"\x75" + bytes([len(step) + 2 + len(say_ok) + 2])  # over the rest to bad
-    loop = check_body + jne + step + b"\x72" + bytes([(-loop_len) & 0xFF])
+    loop_len = len(check_body) + len(jne) + len(step) + 2
+    loop = check_body + jne + step + b"\x72" + bytes([(-loop_len) & 0xFF])  # jb loop
     check = start + loop + say_ok
     check += b"\xeb" + bytes([(-(len(check) + 2)) & 0xFF])  # jmp check
-    code = start + end + key + fill + _say(PATTERN_WRITTEN) + check + say_bad + b"\xf4\xeb\xfd"
+    code = (start + fill_end + key + fill + _say(PATTERN_WRITTEN) + check_end + check + say_bad
+            + b"\xf4\xeb\xfd")  # fmt: skip
     return elf_kernel(code)
 
 
@@ -149,17 +151,18 @@ def serial_size(driver: FirecrackerDriver, vm: VmHandle) -> int:
 
 
 @contextlib.contextmanager
-def pattern_vm(state_dir: Path, guest_dir: Path, bases: dict[str, Path]
+def pattern_vm(state_dir: Path, guest_dir: Path, bases: dict[str, Path], *,
+               memory_mib: int = PATTERN_MEMORY_MIB, fill_bytes: int = PATTERN_BYTES,
                ) -> Iterator[tuple[FirecrackerDriver, VmHandle]]:  # fmt: skip
     """The pattern kernel booted in a jail (its pattern written and read once), deleted at the
     end; no network."""
     guest_dir.mkdir(parents=True, exist_ok=True)
-    (guest_dir / "vmlinux").write_bytes(pattern_kernel())
+    (guest_dir / "vmlinux").write_bytes(pattern_kernel(fill_bytes))
     with open(guest_dir / "root.erofs", "wb") as f:
         f.truncate(1 << 20)
     driver = FirecrackerDriver(state_dir, cgroups=cg.V1Layout(bases=bases), tsc_khz=2596144)
     vm_id = f"fcp-{secrets.token_hex(4)}"
-    vm = VmHandle(id=vm_id, spec=VmSpec(vcpus=1, memory_mib=PATTERN_MEMORY_MIB),
+    vm = VmHandle(id=vm_id, spec=VmSpec(vcpus=1, memory_mib=memory_mib),
                   directory=driver.directory(vm_id), guest_version="pattern",
                   guest_dir=guest_dir, accel="kvm")  # fmt: skip
 

@@ -10,10 +10,10 @@ userfaultfd's events: a page fault at an address is a page of the snapshot file 
 offset plus the distance into it), in one of the snapshot's 4 MiB chunks; the chunk comes from
 the chunk cache or the object store (checked against its digest), and every page of it that the
 VMM lacks is copied in at once (UFFDIO_COPY; a chunk of zeroes by UFFDIO_ZEROPAGE), the next
-chunks fetched into the cache meanwhile (prefetch). A removal (UFFD_EVENT_REMOVE: the VMM let
-pages go, a balloon's madvise) makes those pages zero pages at their next fault. `fillMemory`
-copies in whatever is still missing: after it, the VMM's memory is whole (a suspend that
-follows reads nothing through the handler).
+PREFETCH chunks fetched into the cache meanwhile (a fault on one of them waits for that
+fetch). A removal (UFFD_EVENT_REMOVE: the VMM let pages go, a balloon's madvise) makes those
+pages zero pages at their next fault. `fillMemory` copies in whatever is still missing: after
+it, the VMM's memory is whole (a suspend that follows reads nothing through the handler).
 
 Which pages the VMM has is a byte per page here (MISSING, IN, REMOVED); a copy onto a page that
 is there already stops with EEXIST, which marks it IN and goes on, so the map may start empty.
@@ -61,7 +61,7 @@ MISSING, IN, REMOVED = 0, 1, 2
 CONNECT_TIMEOUT_S = 120.0  # from serveMemory to the VMM's handshake
 HANDSHAKE_MAX = 1 << 20
 FETCH_ROUNDS = 3  # a chunk's fetch (each with the store's own tries) before the VMM is failed
-PREFETCH = 2  # chunks fetched into the cache ahead of a fault
+PREFETCH = 4  # chunks fetched into the cache ahead of a fault
 EVENTS_AT_ONCE = 64
 
 LISTENING, SERVING, FILLED, ENDED, FAILED = "listening", "serving", "filled", "ended", "failed"
@@ -147,7 +147,7 @@ class MemoryServer:
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._stopping = threading.Event()
         self._prefetch = concurrent.futures.ThreadPoolExecutor(PREFETCH, "prefetch")
-        self._prefetched: set[int] = set()
+        self._prefetched: dict[int, concurrent.futures.Future[None]] = {}
         self._thread: threading.Thread | None = None
         self._removed: list[tuple[int, int]] = []  # file offsets, as recorded
         self.ended = threading.Event()
@@ -401,6 +401,9 @@ class MemoryServer:
 
     def _fetch(self, index: int) -> bytes | None:
         """Chunk `index`, checked; after FETCH_ROUNDS failed rounds the VMM is failed."""
+        ahead = self._prefetched.get(index)
+        if ahead is not None:
+            concurrent.futures.wait([ahead])  # its fetch in flight: then the cache has it
         for attempt in range(FETCH_ROUNDS):
             try:
                 if self._store is None:
@@ -420,9 +423,8 @@ class MemoryServer:
             hex_ = self.manifest.chunks[ahead]
             if hex_ is None or ahead in self._prefetched or hex_ in self._cache:
                 continue
-            self._prefetched.add(ahead)
             with contextlib.suppress(RuntimeError):  # shut down: the server ends
-                self._prefetch.submit(self._quiet_fetch, ahead)
+                self._prefetched[ahead] = self._prefetch.submit(self._quiet_fetch, ahead)
 
     def _quiet_fetch(self, index: int) -> None:
         try:
