@@ -17,8 +17,8 @@ pod is resumed, then hibernated.
 (the guest's first Ping answered), beside `feosctl pod create --wait` of the same pod spec under
 another ID on node B (a cold boot: the image pulled from B's registry, the container started).
 
-(c) lazy restore / full download restore: uffd's part (Firecracker's test kernel, diskd's memory
-served lazily): `lazy_restore()` below answers its two times, or None with why it was not
+(c) lazy restore / full download restore (Firecracker's test kernel, diskd's memory served
+lazily): bench/_lazy_restore.py's `lazy_restore()` answers its two times, or why it was not
 measured; its ratio is printed last.
 """
 
@@ -42,6 +42,9 @@ import _owner  # noqa: E402
 from _owner import kept_dir  # noqa: E402
 from moto_s3 import MotoS3, moto_s3  # noqa: E402
 from podnet import BIN, IMAGE, PodNet  # noqa: E402
+
+sys.path.insert(0, str(REPO / "bench"))
+from _lazy_restore import lazy_restore  # noqa: E402
 
 POD, COLD = "hz0000000aa", "hz0000000bb"
 MEMORY_MIB = 512
@@ -111,12 +114,6 @@ def restore_and_cold(b: PodNet, ref: str) -> tuple[float, float]:
 
 
 # -- (c) the lazy restore: uffd's part ---------------------------------------------------------
-
-
-def lazy_restore(root: Path, s3: MotoS3) -> tuple[float, float] | str:
-    """(seconds of a restore with its memory served lazily, of the same after downloading it
-    whole), or why it was not measured."""
-    return "not measured: the lazy restore's part of this bench is not in this build"
 
 
 def main() -> int:

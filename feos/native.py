@@ -288,3 +288,105 @@ def ublk_io_desc(raw: bytes) -> tuple[int, int, int, int, int]:
     ffi.memmove(desc, raw, size)
     return (desc.op_flags & 0xFF, desc.op_flags >> 8, desc.nr_sectors, desc.start_sector,
             desc.addr)
+
+
+# -- userfaultfd: a restored pod's memory, page by page (diskd's lazy memory) ------------------
+# The handler's calls (events read with os.read and decoded here, UFFDIO_COPY, UFFDIO_ZEROPAGE,
+# UFFDIO_WAKE), the VMM's (uffd_open, uffd_api, uffd_register: for tests that play the VMM), and
+# pidfd_getfd, by which a restarted diskd takes a VMM's userfaultfd back.
+
+UFFD_MISSING_OK = (errno.EEXIST, errno.EAGAIN)
+"""A copy or zeroing that stopped short for these is an answer: a page there is mapped already
+(EEXIST), or the VMM's mappings changed meanwhile (EAGAIN: try the rest again)."""
+UFFD_GONE = (errno.ESRCH, errno.ENOENT)
+"""The faulting process's memory is gone (it exited, or unmapped the range)."""
+
+
+def uffd_constants() -> dict[str, int]:
+    """Every UFFD_* and UFFDIO_* number the module was built with."""
+    lib = _lib()
+    return {name: int(getattr(lib, name)) for name in dir(lib) if name.startswith("UFFD")}
+
+
+def uffd_msg_size() -> int:
+    """The bytes of one event (struct uffd_msg) as read(2) returns them."""
+    return int(_ffi().sizeof("struct uffd_msg"))
+
+
+def uffd_open(flags: int = os.O_CLOEXEC | os.O_NONBLOCK) -> int:
+    """A new userfaultfd (the VMM's side); needs root or /dev/userfaultfd."""
+    return _check(_lib().feos_uffd_open(flags), "userfaultfd")
+
+
+def uffd_api(fd: int, features: int = 0) -> tuple[int, int]:
+    """The UFFDIO_API handshake: (the features granted, the ioctls available)."""
+    ffi = _ffi()
+    got, ioctls = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    _check(_lib().feos_uffd_api(fd, features, got, ioctls), "UFFDIO_API")
+    return int(got[0]), int(ioctls[0])
+
+
+def uffd_register(fd: int, start: int, length: int, mode: int | None = None) -> int:
+    """UFFDIO_REGISTER of [start, start + length) (missing-page mode by default): its ioctls."""
+    lib, ffi = _lib(), _ffi()
+    ioctls = ffi.new("uint64_t *")
+    mode = lib.UFFDIO_REGISTER_MODE_MISSING if mode is None else mode
+    _check(lib.feos_uffd_register(fd, start, length, mode, ioctls), "UFFDIO_REGISTER")
+    return int(ioctls[0])
+
+
+def uffd_copy(fd: int, dst: int, src: bytes | bytearray | memoryview, *, wake: bool = True
+              ) -> tuple[int, int]:  # fmt: skip
+    """UFFDIO_COPY of src to the faulting process's dst: (bytes copied, 0), or (bytes copied
+    before it stopped, errno) for UFFD_MISSING_OK and UFFD_GONE; OSError for anything else.
+    The GIL is released during the copy."""
+    lib, ffi = _lib(), _ffi()
+    done = ffi.new("int64_t *")
+    mode = 0 if wake else lib.UFFDIO_COPY_MODE_DONTWAKE
+    rc = lib.feos_uffd_copy(fd, dst, ffi.from_buffer(src), len(src), mode, done)
+    return _partial(rc, int(done[0]), "UFFDIO_COPY")
+
+
+def uffd_zeropage(fd: int, start: int, length: int, *, wake: bool = True) -> tuple[int, int]:
+    """UFFDIO_ZEROPAGE of [start, start + length): as uffd_copy."""
+    lib, ffi = _lib(), _ffi()
+    done = ffi.new("int64_t *")
+    mode = 0 if wake else lib.UFFDIO_ZEROPAGE_MODE_DONTWAKE
+    rc = lib.feos_uffd_zeropage(fd, start, length, mode, done)
+    return _partial(rc, int(done[0]), "UFFDIO_ZEROPAGE")
+
+
+def _partial(rc: int, done: int, what: str) -> tuple[int, int]:
+    if rc == 0:
+        return done, 0
+    err = _native.ffi.errno
+    if err in UFFD_MISSING_OK or err in UFFD_GONE:
+        return done, err
+    raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def uffd_wake(fd: int, start: int, length: int) -> None:
+    """UFFDIO_WAKE: the threads waiting on a fault in the range retry it (after a handler that
+    read their fault went away without resolving it)."""
+    _check(_lib().feos_uffd_wake(fd, start, length), "UFFDIO_WAKE")
+
+
+def uffd_events(raw: bytes) -> list[tuple[int, int, int]]:
+    """The events read from a userfaultfd, each (event, a, b): a page fault (flags, address),
+    a removal or an unmap (start, end), a remap (from, to), a fork (the new fd, 0)."""
+    lib, ffi = _lib(), _ffi()
+    size = ffi.sizeof("struct uffd_msg")
+    if len(raw) % size:
+        raise ValueError(f"{len(raw)} bytes are not whole events of {size}")
+    event, a, b = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    buffer = ffi.from_buffer(raw)
+    found = []
+    for offset in range(0, len(raw), size):
+        lib.feos_uffd_decode(buffer + offset, event, a, b)
+        found.append((int(event[0]), int(a[0]), int(b[0])))
+    return found
+
+
+def pidfd_getfd(pidfd: int, target_fd: int) -> int:
+    """A duplicate of another process's fd (pidfd_getfd(2): root, or ptrace rights over it)."""
+    return _check(_lib().feos_pidfd_getfd(pidfd, target_fd), "pidfd_getfd")

@@ -18,7 +18,6 @@ import secrets
 import shutil
 import socket
 import stat
-import struct
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import fc_pattern
 import pytest
 import trio
+from fc_pattern import TINY_TEXT, VERSION, tiny_kernel
 
 from feos.errors import FeosError
 from feos.vmm import _cgroup as cg
@@ -35,24 +36,7 @@ from feos.vmm import _jail, _kvm
 from feos.vmm._driver import VmHandle, VmSpec, VmState
 from feos.vmm._firecracker import FirecrackerDriver
 
-REPO = Path(__file__).resolve().parents[1]
-VERSION = "v1.12.1"
 CGROUPS = Path("/sys/fs/cgroup")
-TINY_TEXT = b"FEOS-TINY"
-
-
-def tiny_kernel() -> bytes:
-    """An ELF64 x86-64 kernel loaded at 1 MiB: writes TINY_TEXT to COM1, then halts for ever."""
-    code = b""
-    for ch in TINY_TEXT + b"\n":
-        code += b"\x66\xba\xf8\x03" + b"\xb0" + bytes([ch]) + b"\xee"  # mov dx,0x3f8; mov al; out
-    code += b"\xf4\xeb\xfd"  # hlt; jmp hlt
-    entry, phoff = 0x100000, 64
-    offset = 0x1000
-    ehdr = struct.pack("<4sBBBBB7xHHIQQQIHHHHHH", b"\x7fELF", 2, 1, 1, 0, 0, 2, 62, 1,
-                       entry, phoff, 0, 0, 64, 56, 1, 64, 0, 0)
-    phdr = struct.pack("<IIQQQQQQ", 1, 7, offset, entry, entry, len(code), len(code), 0x1000)
-    return (ehdr + phdr).ljust(offset, b"\0") + code
 
 
 def _text(path: str | Path) -> str:
@@ -73,14 +57,7 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def firecracker_root() -> Path:
-    """The pinned Firecracker, installed by hack/firecracker where it is missing."""
-    root = Path(os.environ.get(_jail.FIRECRACKER_DIR_ENV) or _jail.FIRECRACKER_ROOT)
-    if not (root / VERSION / "jailer").exists():
-        prefix = root.parents[3] if root.parts[-4:] == ("usr", "lib", "feos", "firecracker") \
-            else Path("/")
-        _run(str(REPO / "hack" / "firecracker"), "--prefix", str(prefix))
-    assert any(i.version == VERSION for i in _jail.installed(root))
-    return root
+    return fc_pattern.firecracker_root()
 
 
 @pytest.fixture(scope="module")
@@ -112,17 +89,8 @@ def netns() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def cgroup_parents() -> Iterator[dict[str, Path]]:
-    name = f"feostest-{secrets.token_hex(4)}"
-    bases = {h: CGROUPS / h / name for h in cg.V1_HIERARCHIES if (CGROUPS / h / "tasks").exists()}
-    for d in bases.values():
-        d.mkdir()
-    yield bases
-    for d in bases.values():
-        for sub in sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-            for pid in cg.pids_in(sub):
-                os.kill(pid, 9)
-            sub.rmdir()
-        d.rmdir()
+    with fc_pattern.cgroup_parents() as bases:
+        yield bases
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ their layout from the compiler). The normal install builds it (setup.py names th
 into OSError, is feos/native.py: nothing else imports feos._native.
 
 The module has one section per concern, each a C source and its declarations: a section added
-(ublk for the disk service, userfaultfd for hibernation) is a new pair in SECTIONS.
+(ublk for the disk service, userfaultfd for hibernation's lazy memory) is a new pair in
+SECTIONS.
 
 Memory rule of the batch section: Python never hands the C side an address to keep. A batch is
 one block that cffi allocates (ffi.new) and frees; every pointer into it is set by C, to memory
@@ -46,6 +47,9 @@ HEADERS = """
 #include <netinet/in.h>
 #include <linux/falloc.h>
 #include <linux/ublk_cmd.h>
+#include <linux/userfaultfd.h>
+#include <sys/ioctl.h>
+#include <sys/syscall.h>
 """
 
 # --- files and processes: flock, setns, the subreaper, hole punching --------------------------
@@ -370,7 +374,141 @@ static int feos_commit_group(int dir_fd, int n, char **tmps, char **names, char 
 }
 """
 
-# --- a section to come: userfaultfd (the memory of a restored pod: hibernation) -------------
+# --- userfaultfd: a restored pod's memory served page by page (diskd, hibernation) ----------
+#
+# The handler's side of Firecracker's Uffd memory backend: the VMM makes the userfaultfd,
+# registers its guest memory and hands the fd over; diskd reads its events (struct uffd_msg,
+# read(2) on the fd) and resolves each fault by UFFDIO_COPY (the snapshot's bytes) or
+# UFFDIO_ZEROPAGE. The addresses are the VMM's, never dereferenced here; the source bytes are
+# read by the kernel during the call only (the memory rule). feos_uffd_open/api/register are
+# the VMM's side, for tests that play it. pidfd_getfd takes a VMM's fd back after a restart of
+# diskd (docs/disk.md, "Serving memory lazily").
+
+UFFD_CDEF = """
+#define UFFD_API ...
+#define UFFD_EVENT_PAGEFAULT ...
+#define UFFD_EVENT_FORK ...
+#define UFFD_EVENT_REMAP ...
+#define UFFD_EVENT_REMOVE ...
+#define UFFD_EVENT_UNMAP ...
+#define UFFD_PAGEFAULT_FLAG_WRITE ...
+#define UFFD_FEATURE_EVENT_REMOVE ...
+#define UFFD_FEATURE_EVENT_UNMAP ...
+#define UFFDIO_REGISTER_MODE_MISSING ...
+#define UFFDIO_COPY_MODE_DONTWAKE ...
+#define UFFDIO_ZEROPAGE_MODE_DONTWAKE ...
+struct uffd_msg { uint8_t event; ...; };
+int feos_uffd_open(int flags);
+int feos_uffd_api(int fd, uint64_t features, uint64_t *got_features, uint64_t *ioctls);
+int feos_uffd_register(int fd, uint64_t start, uint64_t len, uint64_t mode, uint64_t *ioctls);
+int feos_uffd_copy(int fd, uint64_t dst, const char *src, uint64_t len, uint64_t mode,
+                   int64_t *copied);
+int feos_uffd_zeropage(int fd, uint64_t start, uint64_t len, uint64_t mode, int64_t *zeroed);
+int feos_uffd_wake(int fd, uint64_t start, uint64_t len);
+int feos_uffd_decode(const char *raw, uint64_t *event, uint64_t *a, uint64_t *b);
+int feos_pidfd_getfd(int pidfd, int targetfd);
+"""
+
+UFFD_SOURCE = """
+/* A userfaultfd (the syscall; /dev/userfaultfd where the syscall is refused). */
+static int feos_uffd_open(int flags)
+{
+    int fd = (int)syscall(SYS_userfaultfd, flags);
+    if (fd >= 0 || (errno != EPERM && errno != ENOSYS))
+        return fd;
+    int dev = open("/dev/userfaultfd", O_RDWR | O_CLOEXEC);
+    if (dev < 0)
+        return -1;
+    fd = ioctl(dev, USERFAULTFD_IOC_NEW, flags);
+    int err = errno;
+    close(dev);
+    errno = err;
+    return fd;
+}
+
+static int feos_uffd_api(int fd, uint64_t features, uint64_t *got_features, uint64_t *ioctls)
+{
+    struct uffdio_api api = { .api = UFFD_API, .features = features };
+    if (ioctl(fd, UFFDIO_API, &api) != 0)
+        return -1;
+    *got_features = api.features;
+    *ioctls = api.ioctls;
+    return 0;
+}
+
+static int feos_uffd_register(int fd, uint64_t start, uint64_t len, uint64_t mode,
+                              uint64_t *ioctls)
+{
+    struct uffdio_register reg = { .range = { .start = start, .len = len }, .mode = mode };
+    if (ioctl(fd, UFFDIO_REGISTER, &reg) != 0)
+        return -1;
+    *ioctls = reg.ioctls;
+    return 0;
+}
+
+/* len bytes from src into the faulting process at dst: 0 (*copied = len), or -1 and errno
+   with *copied the bytes copied before the failure (EEXIST: a page there is mapped already;
+   EAGAIN: the mappings changed meanwhile, try again). */
+static int feos_uffd_copy(int fd, uint64_t dst, const char *src, uint64_t len, uint64_t mode,
+                          int64_t *copied)
+{
+    struct uffdio_copy copy = { .dst = dst, .src = (uint64_t)(uintptr_t)src, .len = len,
+                                .mode = mode, .copy = 0 };
+    int rc = ioctl(fd, UFFDIO_COPY, &copy);
+    *copied = copy.copy > 0 ? copy.copy : 0;
+    return rc;
+}
+
+static int feos_uffd_zeropage(int fd, uint64_t start, uint64_t len, uint64_t mode,
+                              int64_t *zeroed)
+{
+    struct uffdio_zeropage zero = { .range = { .start = start, .len = len }, .mode = mode,
+                                    .zeropage = 0 };
+    int rc = ioctl(fd, UFFDIO_ZEROPAGE, &zero);
+    *zeroed = zero.zeropage > 0 ? zero.zeropage : 0;
+    return rc;
+}
+
+static int feos_uffd_wake(int fd, uint64_t start, uint64_t len)
+{
+    struct uffdio_range range = { .start = start, .len = len };
+    return ioctl(fd, UFFDIO_WAKE, &range);
+}
+
+/* One struct uffd_msg (sizeof bytes at raw): its event, and its two arguments (a page fault:
+   flags, address; a removal: start, end; a remap: from, to; an unmap: start, end). */
+static int feos_uffd_decode(const char *raw, uint64_t *event, uint64_t *a, uint64_t *b)
+{
+    struct uffd_msg msg;
+    memcpy(&msg, raw, sizeof msg);
+    *event = msg.event;
+    *a = *b = 0;
+    switch (msg.event) {
+    case UFFD_EVENT_PAGEFAULT:
+        *a = msg.arg.pagefault.flags;
+        *b = msg.arg.pagefault.address;
+        break;
+    case UFFD_EVENT_REMOVE:
+    case UFFD_EVENT_UNMAP:
+        *a = msg.arg.remove.start;
+        *b = msg.arg.remove.end;
+        break;
+    case UFFD_EVENT_REMAP:
+        *a = msg.arg.remap.from;
+        *b = msg.arg.remap.to;
+        break;
+    case UFFD_EVENT_FORK:
+        *a = msg.arg.fork.ufd;
+        break;
+    }
+    return 0;
+}
+
+static int feos_pidfd_getfd(int pidfd, int targetfd)
+{
+    return (int)syscall(SYS_pidfd_getfd, pidfd, targetfd, 0);
+}
+"""
 
 # --- ublk: the control and I/O commands of the ublk driver (<linux/ublk_cmd.h>) --------------
 #
@@ -427,7 +565,7 @@ struct ublk_params { uint32_t len; uint32_t types; struct ublk_param_basic basic
 UBLK_SOURCE = ""
 
 SECTIONS = [(PROCESS_CDEF, PROCESS_SOURCE), (BATCH_CDEF, BATCH_SOURCE),
-            (RECORDS_CDEF, RECORDS_SOURCE), (UBLK_CDEF, UBLK_SOURCE)]
+            (RECORDS_CDEF, RECORDS_SOURCE), (UBLK_CDEF, UBLK_SOURCE), (UFFD_CDEF, UFFD_SOURCE)]
 
 ffibuilder = FFI()
 ffibuilder.cdef("\n".join(cdef for cdef, _ in SECTIONS))

@@ -90,6 +90,21 @@ struct MemoryTransfer {
                            # its manifest)
 }
 
+struct MemoryServer {
+  id @0 :Text;             # the pod's ID
+  digest @1 :Text;         # the memory snapshot it serves
+  socket @2 :Text;         # memory.sock, where the VMM connects (gone once it has)
+  state @3 :Text;          # "listening", "serving", "filled" (every page in), "ended" (its
+                           # VMM ended), "failed" (its VMM killed: see reason)
+  reason @4 :Text;
+  vmmPid @5 :UInt32;
+  sizeBytes @6 :UInt64;    # the snapshot's
+  pagesIn @7 :UInt64;      # pages diskd copied (or zeroed) into the VMM
+  pagesTotal @8 :UInt64;   # the VMM's guest memory in pages (4 KiB)
+  faults @9 :UInt64;       # page faults served
+  recovered @10 :Bool;     # taken over from the diskd before (after a restart)
+}
+
 interface DiskService {
   info @0 () -> (status :Common.Status, info :DiskdInfo);
 
@@ -172,4 +187,25 @@ interface DiskService {
   abort @20 (digest :Text) -> (status :Common.Status, aborted :UInt32);
   # The layer pushes in flight of `digest` end with ABORTED (a hibernation abandoned); how
   # many there were.
+
+  serveMemory @21 (id :Text, digest :Text, socket :Text, ownerUid :UInt32)
+      -> (status :Common.Status, server :MemoryServer);
+  # Listen on socket (a Unix socket made there, ownerUid's, 0600) for a VMM restoring with
+  # Firecracker's Uffd memory backend, and serve it the snapshot's pages as it faults them,
+  # from the chunk cache and the object store. Answers once listening; the same call again
+  # answers the server as it is. NOT_FOUND: the store has no such snapshot; ALREADY_EXISTS:
+  # memory of that id is served from another snapshot or socket.
+
+  fillMemory @22 (id :Text) -> (status :Common.Status, server :MemoryServer);
+  # Every page the VMM still lacks copied in; answers when its memory is whole ("filled"):
+  # what the first suspend after such a restore calls before its snapshot. FAILED_PRECONDITION:
+  # no VMM is connected or it ended; ABORTED: it ended meanwhile.
+
+  getMemoryServer @23 (id :Text) -> (status :Common.Status, server :MemoryServer);
+  # NOT_FOUND: diskd serves no memory of that id (a failed one is kept, with its reason, until
+  # stopMemory).
+
+  stopMemory @24 (id :Text) -> (status :Common.Status);
+  # Serving ends and the server is forgotten (the VMM ended, or its owner ends it now: a VMM
+  # that faults afterwards waits forever). NOT_FOUND: none.
 }

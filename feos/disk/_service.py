@@ -30,6 +30,7 @@ from ..errors import Code, FeosError, invalid
 from . import _export
 from ._chunks import ChunkCache
 from ._files import Files, allocated, sha256_file
+from ._lazy import LazyMemory
 from ._memory import MemoryTransfers
 from ._model import (
     EMPTY_DIGEST,
@@ -83,6 +84,7 @@ class DiskService:
         self._layers_lock = trio.Lock()
         self._stops: dict[str, set[threading.Event]] = {}  # the pushes in flight, by digest
         self.memory = MemoryTransfers(self._need_store, cache)
+        self.lazy = LazyMemory(state_dir / "memory", self._need_store, cache)
 
     # -- start -------------------------------------------------------------------------------
 
@@ -93,6 +95,7 @@ class DiskService:
         for disk in list(self.disks.values()):
             if disk.exported:
                 await self._recover_export(disk)
+        await trio.to_thread.run_sync(self.lazy.recover)
 
     def _load(self) -> None:
         self.files.prepare()
@@ -447,6 +450,28 @@ class DiskService:
 
     async def abandon_memory(self, params: dict[str, Any]) -> dict[str, Any]:
         return self.memory.abandon(_text(params, "id"))
+
+    async def serve_memory(self, params: dict[str, Any]) -> dict[str, Any]:
+        server_id, digest = check_id(_text(params, "id")), check_digest(_text(params, "digest"))
+        path = Path(_text(params, "socket"))
+        if not path.is_absolute() or not path.parent.is_dir():
+            raise invalid("socket", f"{str(path)!r} is not an absolute path in a directory "
+                          "that exists")
+        owner = _number(params, "ownerUid")
+        server = await trio.to_thread.run_sync(self.lazy.serve, server_id, digest, path, owner)
+        return {"server": server.answer()}
+
+    async def fill_memory(self, params: dict[str, Any]) -> dict[str, Any]:
+        server = self.lazy.get(check_id(_text(params, "id")))
+        await trio.to_thread.run_sync(server.fill, abandon_on_cancel=True)
+        return {"server": server.answer()}
+
+    async def get_memory_server(self, params: dict[str, Any]) -> dict[str, Any]:
+        return {"server": self.lazy.get(check_id(_text(params, "id"))).answer()}
+
+    async def stop_memory(self, params: dict[str, Any]) -> dict[str, Any]:
+        await trio.to_thread.run_sync(self.lazy.stop, check_id(_text(params, "id")))
+        return {}
 
 
 def _manifest(layer: Layer) -> LayerManifest:

@@ -15,6 +15,9 @@ Theory of operation (node.md, "A pod's microVM", "Lifecycle").
   and discarded the snapshot. The marker is a file, so a restarted feosd finds it.
 - resume: the snapshot's Firecracker version (FAILED_PRECONDITION if it is gone), the snapshot
   loaded with the vCPUs stopped, MMDS put in again, the vCPUs resumed, the snapshot removed.
+  A lazy resume (a pod restored from the object store) loads the memory through Firecracker's
+  Uffd backend: diskd listens on memory.sock in the jail's root and serves the pages as the
+  guest touches them (docs/disk.md, "Serving memory lazily").
 - delete: the process killed, what jail.json records undone, the cgroup and the directory gone.
 """
 
@@ -46,6 +49,7 @@ from ._jail import Jail, JailRecord
 
 _EXIT_RE = re.compile(r"exit_code=(\d+)")
 GUEST_PORT_SOCKET = _jail.NODE_LISTENS  # vsock: the guest's connections to the host's port 10001
+MEMORY_SOCKET = "memory.sock"  # a lazy resume's memory handler, in the jail's root
 STALL_S = 300.0  # a late snapshot whose memory file does not grow this long has crashed
 
 
@@ -417,16 +421,27 @@ class FirecrackerDriver:
         await trio.to_thread.run_sync(self._fresh_snapshot_dir, vm.id)
         (self.directory(vm.id) / _jail.LATE_MARKER).unlink(missing_ok=True)
 
+    def memory_socket(self, vm_id: str) -> Path:
+        """Where a lazy resume's memory handler listens (diskd's serveMemory), inside the jail:
+        Firecracker connects to it as MEMORY_SOCKET from its chroot."""
+        return self.directory(vm_id) / MEMORY_SOCKET
+
     async def resume(self, vm: VmHandle, *, within: float,
                      rejoin: Callable[[], Awaitable[bool]] | None = None,
-                     running: Callable[[], None] | None = None) -> None:  # fmt: skip
+                     running: Callable[[], None] | None = None,
+                     lazy_memory: bool = False) -> None:  # fmt: skip
+        """lazy_memory: the memory is remote, served page by page by a handler that listens on
+        memory_socket() already (Firecracker's Uffd backend): snapshot/ holds vmstate only."""
         # The guest dials the node over vsock: no session is carried across (rejoin unused).
         record = await trio.to_thread.run_sync(self._record, vm.id)
         install = await trio.to_thread.run_sync(_jail.find, record.version)
         await self._spawn(vm, install, boot=False, within=within)
         api = self.api(vm.id, within)
         try:
-            await api.snapshot_load("snapshot/vmstate", "snapshot/memory")
+            if lazy_memory:
+                await api.snapshot_load("snapshot/vmstate", MEMORY_SOCKET, backend="Uffd")
+            else:
+                await api.snapshot_load("snapshot/vmstate", "snapshot/memory")
             if vm.spec.tap:
                 await api.put_mmds(json.loads(vm.spec.metadata))
             await api.resume()

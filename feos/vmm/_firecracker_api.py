@@ -225,11 +225,13 @@ class FirecrackerApi:
         body = {"snapshot_type": "Full", "snapshot_path": vmstate, "mem_file_path": memory}
         await self.call("PUT", "/snapshot/create", body, within=within)
 
-    async def snapshot_load(self, vmstate: str, memory: str) -> None:
-        """Load with the vCPUs stopped: the caller puts the MMDS back before it resumes."""
+    async def snapshot_load(self, vmstate: str, memory: str, backend: str = "File") -> None:
+        """Load with the vCPUs stopped: the caller puts the MMDS back before it resumes.
+        backend "File": memory is the memory file; "Uffd": the socket of a page fault handler
+        that serves the memory (diskd's, docs/disk.md "Serving memory lazily")."""
         await self.call("PUT", "/snapshot/load", {
             "snapshot_path": vmstate,
-            "mem_backend": {"backend_type": "File", "backend_path": memory},
+            "mem_backend": {"backend_type": backend, "backend_path": memory},
             "resume_vm": False,
         })
 
