@@ -9,10 +9,11 @@ feosd's own error; a disk diskd serves outlives `systemctl restart diskd` and th
 second build; a feosd from before the socket is stopped before the socket takes the address;
 remove stops the units and purge disables them, /var/lib/feos staying.
 
-What the roots cannot do here: run a pod. The container's cgroup v1 hierarchies are read-only
-(systemd-nspawn mounts them so on this hybrid host), and a pod needs an image from a registry
-the container cannot reach (a private network). `systemctl restart feosd` keeping a pod is
-therefore shown by test_restart_keeps_a_pod's skip reason only; bench/restart.py says the same.
+A pod runs in the root: a QEMU microVM under TCG without containers or a network (a
+container's image comes from a registry, which the root, on a private network, cannot reach);
+it outlives `systemctl restart feosd` and the upgrade, taken over by the next feosd. The
+container's cgroup v1 hierarchies are read-only (systemd-nspawn mounts them so on this hybrid
+host): feosd runs the microVMs there without cgroups of their own and says so.
 """
 
 from __future__ import annotations
@@ -184,8 +185,8 @@ def _disk(c: Container, script: str) -> dict[str, object]:
     return json.loads(c.sh(PY, input=script).stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def test_restart_of_diskd_and_an_upgrade_keep_a_served_disk(node: Container,
-                                                            builds: dict[str, Path]) -> None:
+def test_restart_of_diskd_and_an_upgrade_keep_a_served_disk_and_a_pod(
+        node: Container, builds: dict[str, Path], pod: str) -> None:
     disk = _disk(node, START)
     path, pid = disk["path"], disk["dataPathPid"]
     node.sh(f"printf kept-across > {path} && sync")
@@ -212,6 +213,7 @@ def test_restart_of_diskd_and_an_upgrade_keep_a_served_disk(node: Container,
     assert after["state"] == "started" and after["dataPathPid"] == pid
     assert node.sh(f"head -c 11 {path}").stdout == "kept-across"
     assert "feosd" in node.sh("feosctl host info").stdout
+    assert _qemu_pid(node) == pod and _pod_state(node) == "running"
 
 
 def test_an_install_over_a_feosd_from_before_the_socket_stops_it_first(node: Container) -> None:
@@ -225,10 +227,43 @@ def test_an_install_over_a_feosd_from_before_the_socket_stops_it_first(node: Con
     assert node.sh("feosctl host info").returncode == 0
 
 
-def test_restart_keeps_a_pod() -> None:
-    pytest.skip("no pod runs in the nspawn root: its cgroup v1 hierarchies are read-only on "
-                "this hybrid host and the container reaches no registry for a pod's image; "
-                "feosd's take-over across restarts is integration/test_feosd_daemon.py's")
+POD = "pkgtest0001"
+NO_CONTAINERS = '{"containers": [], "network": {"none": null}}'
+
+
+@pytest.fixture(scope="module")
+def pod(node: Container) -> str:
+    """A running pod in the root: a QEMU microVM under TCG, without containers (their images
+    come from a registry, which the root cannot reach) or a network; its QEMU's pid."""
+    if "running" not in node.sh(f"feosctl pod get {POD}", check=False).stdout:
+        node.sh(f"feosctl pod create {POD} -f - --wait", input=NO_CONTAINERS, timeout=300)
+    return _qemu_pid(node)
+
+
+def _qemu_pid(c: Container) -> str:
+    pids = c.sh(f"pgrep -f 'qemu-system-x86_64 .*-name feos-{POD}( |$)'", check=False).stdout
+    assert len(pids.split()) == 1, pids
+    return pids.strip()
+
+
+def _pod_state(c: Container) -> str:
+    table = c.sh(f"feosctl pod get {POD}").stdout.splitlines()
+    return table[1].split()[1]
+
+
+def test_restart_of_feosd_keeps_a_running_pod(node: Container, pod: str) -> None:
+    before = _show(node, "feosd.service", "MainPID")
+    attached = f"guest of {POD} attached"
+    seen = node.journal("feosd").count(attached)
+    node.sh("systemctl restart feosd.service")
+    _wait_active(node, "feosd.service")
+    assert _show(node, "feosd.service", "MainPID") != before
+    assert _qemu_pid(node) == pod  # the same QEMU: the new feosd took it over
+    deadline = time.monotonic() + 60
+    while node.journal("feosd").count(attached) <= seen:  # the new feosd's link to the guest
+        assert time.monotonic() < deadline, node.journal("feosd")[-3000:]
+        time.sleep(0.5)
+    assert _pod_state(node) == "running"
 
 
 def test_remove_stops_and_purge_disables_keeping_the_state(node: Container) -> None:
