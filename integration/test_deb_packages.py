@@ -18,6 +18,7 @@ host): feosd runs the microVMs there without cgroups of their own and says so.
 
 from __future__ import annotations
 
+import calendar
 import json
 import subprocess
 import sys
@@ -36,9 +37,33 @@ OLD, NEW = "0.1.0~dev.1", "0.1.0~dev.2"
 PY = "python3 -I -c 'import sys; sys.path.insert(0, \"/usr/lib/feos/python\"); exec(sys.stdin.read())'"
 
 
-def _build(out: Path, version: str) -> None:
+def _build(out: Path, version: str, guest: Path) -> None:
     subprocess.run([sys.executable, str(REPO / "packaging/deb/build.py"), "--out", str(out),
-                    "--version", version], check=True, stdout=subprocess.DEVNULL)
+                    "--version", version, "--guest-dir", str(guest)], check=True,
+                   stdout=subprocess.DEVNULL)
+
+
+def _guest_image() -> Path:
+    """The work tree's guest version, as hack/guest-image builds or finds it."""
+    out = subprocess.run([str(REPO / "hack/guest-image"), "--keep-all"], check=True, text=True,
+                         stdout=subprocess.PIPE).stdout
+    return Path(out.strip().splitlines()[-1])
+
+
+def _newer_guest(guest: Path, top: Path) -> Path:
+    """The same image as a newer guest version (its own name, built a day later), so that the
+    second build's feos-guest depends on another feos-guest-<version>."""
+    manifest = json.loads((guest / "manifest.json").read_text())
+    newer = top / "guest" / ("f" + manifest["version"][1:])
+    newer.mkdir(parents=True)
+    for f in guest.iterdir():
+        if f.name != "manifest.json":
+            (newer / f.name).hardlink_to(f)
+    built = time.strptime(manifest["built"].replace("+00:00", ""), "%Y-%m-%dT%H:%M:%S")
+    later = time.gmtime(calendar.timegm(built) + 86400)
+    manifest.update(version=newer.name, built=time.strftime("%Y-%m-%dT%H:%M:%S+00:00", later))
+    (newer / "manifest.json").write_text(json.dumps(manifest))
+    return newer
 
 
 def _publish(repo: Path, key: Path, build: Path) -> None:
@@ -50,12 +75,14 @@ def _publish(repo: Path, key: Path, build: Path) -> None:
 def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two builds of the work tree, the second one newer; the first one published."""
     top = tmp_path_factory.mktemp("debs")
+    guest = _guest_image()
+    newer = _newer_guest(guest, top)
     out = {OLD: top / "old", NEW: top / "new"}
-    for version, dest in out.items():
-        _build(dest, version)
+    _build(out[OLD], OLD, guest)
+    _build(out[NEW], NEW, newer)
     repo, key = top / "apt", top / "apt.key"
     _publish(repo, key, out[OLD])
-    return {"repo": repo, "key": key, **out}
+    return {"repo": repo, "key": key, "guest": guest, "newer": newer, **out}
 
 
 @pytest.fixture(scope="module", params=["bookworm", "trixie"])
@@ -199,12 +226,9 @@ def test_restart_of_diskd_and_an_upgrade_keep_a_served_disk_and_a_pod(
     assert node.sh(f"head -c 11 {path}").stdout == "kept-across"
 
     # the upgrade to the newer build: feosd and diskd restarted, the socket and the disk kept
-    _publish(builds["repo"], builds["key"], builds[NEW])
     socket_since = _show(node, "feosd.socket", "ActiveEnterTimestampMonotonic")
     feosd_pid = _show(node, "feosd.service", "MainPID")
-    node.sh("apt-get update -q && apt-get install -y -q feosd feosctl")
-    version = node.sh("dpkg-query -W -f '${Version}' feosd").stdout
-    assert version.startswith(NEW)
+    assert _upgrade(node, builds)
     _wait_active(node, "feosd.service")
     _wait_active(node, "diskd.service")
     assert _show(node, "feosd.service", "MainPID") != feosd_pid
@@ -214,6 +238,36 @@ def test_restart_of_diskd_and_an_upgrade_keep_a_served_disk_and_a_pod(
     assert node.sh(f"head -c 11 {path}").stdout == "kept-across"
     assert "feosd" in node.sh("feosctl host info").stdout
     assert _qemu_pid(node) == pod and _pod_state(node) == "running"
+
+
+
+def _upgrade(c: Container, builds: dict[str, Path]) -> bool:
+    """The newer build published and installed (once: False when it was already)."""
+    if c.sh("dpkg-query -W -f '${Version}' feosd").stdout.startswith(NEW):
+        return False
+    _publish(builds["repo"], builds["key"], builds[NEW])
+    c.sh("apt-get update -q && apt-get install -y -q feosd feosctl")
+    assert c.sh("dpkg-query -W -f '${Version}' feosd").stdout.startswith(NEW)
+    return True
+
+
+def test_an_upgrade_installs_the_new_guest_beside_the_old(node: Container,
+                                                          builds: dict[str, Path]) -> None:
+    """The old guest stays (the pods booted with it use it), autoremove keeps both (50feosd), and
+    the old one, which nothing depends on, would go alone with apt remove (simulated: a pod may
+    still use it)."""
+    _upgrade(node, builds)
+    old_guest, new_guest = (f"feos-guest-{builds[k].name}" for k in ("guest", "newer"))
+    node.sh("apt-get autoremove -y -q")
+    installed = node.sh("dpkg-query -W -f '${Package} ${Status}\\n' 'feos-guest*'").stdout
+    for name in (old_guest, new_guest):
+        assert f"{name} install ok installed" in installed, installed
+    for guest in ("guest", "newer"):
+        node.sh(f"test -f /usr/lib/feos/guest/{builds[guest].name}/vmlinux")
+    removes = [line.split()[1] for line in
+               node.sh(f"apt-get remove -s {old_guest}").stdout.splitlines()
+               if line.startswith("Remv ")]
+    assert removes == [old_guest]
 
 
 def test_an_install_over_a_feosd_from_before_the_socket_stops_it_first(node: Container) -> None:
