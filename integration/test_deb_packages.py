@@ -154,7 +154,7 @@ def test_install_enables_starts_and_serves(node: Container) -> None:
 
 def test_dns_query_while_stopped_waits_in_the_socket_and_starts_feosd(node: Container) -> None:
     _set_args(node, "--pod-prefix fd12:3456:789a:1::/64")
-    node.sh("systemctl restart feosd.service")
+    node.sh("systemctl reset-failed feosd.service; systemctl restart feosd.service")
     _wait_active(node, "feosd.service")
     try:
         node.sh("systemctl stop feosd.service")
@@ -165,14 +165,37 @@ def test_dns_query_while_stopped_waits_in_the_socket_and_starts_feosd(node: Cont
         assert _active(node, "feosd.service") == "active"
     finally:
         _set_args(node, "")
-        node.sh("systemctl restart feosd.service")
+        node.sh("systemctl reset-failed feosd.service; systemctl restart feosd.service")
+        _wait_active(node, "feosd.service")
+
+
+def test_a_drop_in_moves_the_socket_for_another_dns_address(node: Container) -> None:
+    example = "/usr/share/doc/feosd/examples/feosd.socket.d/address.conf"
+    node.sh(f"mkdir -p /etc/systemd/system/feosd.socket.d && cp {example} "
+            "/etc/systemd/system/feosd.socket.d/")
+    _set_args(node, "--pod-prefix fd12:3456:789a:1::/64 --dns-address 169.254.1.53")
+    # reset-failed: the tests restart feosd more often than systemd's start limit allows
+    reload = ("systemctl daemon-reload && systemctl reset-failed feosd.service feosd.socket; "
+              "systemctl stop feosd.service feosd.socket && "
+              "systemctl start feosd.socket feosd.service")  # a socket refuses a running service
+    try:
+        node.sh(reload)
+        _wait_active(node, "feosd.service")
+        listen = _show(node, "feosd.socket", "Listen")
+        assert "169.254.1.53:53" in listen and "169.254.0.53" not in listen, listen
+        query = DNS_QUERY.replace("169.254.0.53", "169.254.1.53")
+        assert node.sh(PY, input=query, timeout=90).stdout.split()[0] == "4242"
+    finally:
+        node.sh("rm -rf /etc/systemd/system/feosd.socket.d")
+        _set_args(node, "")
+        node.sh(reload)
         _wait_active(node, "feosd.service")
 
 
 def test_a_bad_option_fails_the_unit_with_feosds_own_error(node: Container) -> None:
     _set_args(node, "--no-such-option")
     try:
-        node.sh("systemctl restart feosd.service", check=False)
+        node.sh("systemctl reset-failed feosd.service; systemctl restart feosd.service", check=False)
         deadline = time.monotonic() + 30
         while _active(node, "feosd.service") not in ("failed", "inactive"):
             assert time.monotonic() < deadline, _active(node, "feosd.service")
@@ -309,7 +332,7 @@ def test_restart_of_feosd_keeps_a_running_pod(node: Container, pod: str) -> None
     before = _show(node, "feosd.service", "MainPID")
     attached = f"guest of {POD} attached"
     seen = node.journal("feosd").count(attached)
-    node.sh("systemctl restart feosd.service")
+    node.sh("systemctl reset-failed feosd.service; systemctl restart feosd.service")
     _wait_active(node, "feosd.service")
     assert _show(node, "feosd.service", "MainPID") != before
     assert _qemu_pid(node) == pod  # the same QEMU: the new feosd took it over
