@@ -239,8 +239,8 @@ class _Fields:
         if not isinstance(chunks, list):
             raise self.bad("chunks", "not a list")
         if len(chunks) != chunk_count(size_bytes, chunk_size):
-            raise self.bad("chunks", f"{len(chunks)} chunks for {size_bytes} bytes in chunks "
-                           f"of {chunk_size}")  # fmt: skip
+            raise self.bad("chunks", f"{len(chunks)} chunks for {size_bytes} bytes "
+                           f"('size_bytes') in chunks of {chunk_size} ('chunk_size')")  # fmt: skip
         for i, chunk in enumerate(chunks):
             if chunk is not None and not (isinstance(chunk, str) and is_chunk_hex(chunk)):
                 raise self.bad("chunks", f"chunk {i} is neither null nor 64 lowercase hex digits")
