@@ -107,6 +107,8 @@ struct PodInfo {
   step @13 :Text;                # the bring-up's step while pending: disk, vm, guest, volumes, containers
   generation @14 :UInt64;        # counts the pod's changes; a new pod of the same ID starts anew
   baked @15 :Text;               # the layer baked of the pod's image, once it is in the object store
+  cameUp @16 :Text;              # its last bring-up's way: "cold" (a boot), or "template:<name>"
+                                 # (restored from that template, docs/templates.md)
 }
 
 struct PodEvent {

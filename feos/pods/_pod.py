@@ -37,6 +37,7 @@ class Pod:
     disk: str = ""  # what its disk was made on (feos.pods._bake: "blank:<guest>", "layer:<digest>")
     baked: str = ""  # the layer baked of it, once it is in the object store
     generation: int = 0
+    came_up: str = ""  # its last bring-up's way: "cold", or "template:<name>" (a restore)
     lock: trio.Lock = attrs.field(factory=trio.Lock)
     bringup: Change[None] | None = None  # the bring-up in flight, or the last one
     pull_token: str = attrs.field(default="", repr=False)  # memory only, for the next bring-up
@@ -49,6 +50,7 @@ class Pod:
             "changedUnixNs": self.changed_ns, "guestVersion": self.guest_version,
             "driver": self.driver, "imageLayers": self.image_layers,
             "disk": self.disk, "baked": self.baked, "generation": self.generation,
+            "cameUp": self.came_up,
         }  # fmt: skip
 
     def answer(self, containers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -69,7 +71,7 @@ def from_record(data: dict[str, Any]) -> Pod:
         changed_ns=data.get("changedUnixNs", 0), guest_version=data.get("guestVersion", ""),
         driver=data.get("driver", ""), image_layers=data.get("imageLayers", {}),
         disk=data.get("disk", ""), baked=data.get("baked", ""),
-        generation=data.get("generation", 0),
+        generation=data.get("generation", 0), came_up=data.get("cameUp", ""),
     )  # fmt: skip
 
 

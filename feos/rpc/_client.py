@@ -17,7 +17,8 @@ from .._names import snake
 from .._sockpath import reachable
 from ..errors import Code, FeosError
 
-SERVICES = ("pods", "volumes", "securityGroups", "names", "traffic", "host", "mesh")
+SERVICES = ("pods", "volumes", "securityGroups", "names", "traffic", "host", "mesh",
+            "templates")
 
 
 def raise_for_status(results: Any) -> Any:
