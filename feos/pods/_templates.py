@@ -230,9 +230,13 @@ class Templates:
         """The template the pod's create restores, verified; None: it boots cold (a make may
         have been started for the next create)."""
         shape = shape_of(pod)
-        if shape is None or self._diskd is None or self._nursery is None:
+        if shape is None or self._nursery is None or not (self._have or self.on_first_use):
             return None
-        key = self.key_for(shape, base, image)
+        try:
+            key = await trio.to_thread.run_sync(self.key_for, shape, base, image)
+        except FeosError as exc:
+            log.info("pod %s: no template (%s)", pod.id, exc.message)
+            return None
         if key.vmm != "qemu":
             return None
         template = self._have.get(key.name)
@@ -278,7 +282,7 @@ class Templates:
 
     async def warm(self, shape: Shape, base: str) -> Template:
         """The template of the shape on `base` (made now unless the node has it)."""
-        key = self.key_for(shape, base)
+        key = await trio.to_thread.run_sync(self.key_for, shape, base)
         if key.vmm != "qemu":
             raise FeosError(Code.FAILED_PRECONDITION, f"the node's VMM is {key.vmm}: templates "
                             "are made for QEMU only")
