@@ -247,7 +247,8 @@ class Templates:
             log.warning("template %s is damaged (%s): dropped and made again; pod %s boots "
                         "cold", template.name, why, pod.id)  # fmt: skip
             await self.remove(template.name)
-        if self.on_first_use and key.name not in self._making:
+            self._nursery.start_soon(self._make_quietly, key)  # made again, whatever the option
+        elif self.on_first_use and key.name not in self._making:
             self._nursery.start_soon(self._make_quietly, key)
         return None
 
