@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _guests import OwnGuest
 from podnet import IMAGE, PodNet
 
 from feos.net import guest_mac
@@ -55,8 +56,13 @@ def _warm(net: PodNet) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodNet]:
-    with PodNet(tmp_path_factory.mktemp("templates")) as node:
-        yield node
+    root = tmp_path_factory.mktemp("templates")
+    guest = OwnGuest(root).install()  # this tree's agent (assume): not another tree's newer one
+    try:
+        with PodNet(root) as node:
+            yield node
+    finally:
+        guest.restore()
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +113,11 @@ def test_ten_pods_from_one_template_are_each_their_own(
 def test_a_file_and_memory_are_private_to_their_pod(
         net: PodNet, ten: dict[str, dict[str, Any]]) -> None:
     one, other = TEN[0], TEN[1]
-    net.exec(one, "sh", "-c", "echo on-disk > /root/private && echo in-memory > /dev/shm/private"
+    net.exec(one, "sh", "-c", "echo on-disk > /private && echo in-memory > /dev/shm/private"
              " && sync")
-    assert _read(net, one, "cat", "/root/private") == "on-disk"
+    assert _read(net, one, "cat", "/private") == "on-disk"
     assert _read(net, one, "cat", "/dev/shm/private") == "in-memory"
-    for path in ("/root/private", "/dev/shm/private"):
+    for path in ("/private", "/dev/shm/private"):
         done = net.exec(other, "cat", path, check=False)
         assert done.returncode != 0, (path, done.stdout)
     # a process's memory: a value only one pod's process holds is nowhere in the other's
@@ -126,19 +132,19 @@ def test_a_file_and_memory_are_private_to_their_pod(
 def test_a_templated_pod_suspends_resumes_and_starts_cold_on_its_disk(
         net: PodNet, ten: dict[str, dict[str, Any]]) -> None:
     pod_id = TEN[2]
-    net.exec(pod_id, "sh", "-c", "echo kept > /root/kept && sync")
+    net.exec(pod_id, "sh", "-c", "echo kept > /kept && sync")
     net.ctl("pod", "suspend", pod_id)
     net.wait_state(pod_id, "suspended")
     net.ctl("pod", "resume", pod_id)
     pod = net.wait_state(pod_id, "running")
     assert pod["cameUp"].startswith("template:")
-    assert _read(net, pod_id, "cat", "/root/kept") == "kept"
+    assert _read(net, pod_id, "cat", "/kept") == "kept"
     net.ctl("pod", "stop", pod_id)
     net.wait_state(pod_id, "stopped")
     net.ctl("pod", "start", pod_id, "--wait", timeout=300)
     pod = net.wait_state(pod_id, "running")
     assert pod["cameUp"] == "cold"
-    assert _read(net, pod_id, "cat", "/root/kept") == "kept"
+    assert _read(net, pod_id, "cat", "/kept") == "kept"
     assert _read(net, pod_id, "hostname") == pod_id
     assert _read(net, pod_id, "cat", "/sys/class/net/eth0/address") == guest_mac(pod_id)
 

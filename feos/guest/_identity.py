@@ -8,8 +8,9 @@ says whose guest it is now. `assume` (the agent's) sets them all and reseeds the
 The random pool: the node sends fresh bytes of its own, and the agent mixes in what it measures
 itself (clock readings), credits them (RNDADDENTROPY) and has the kernel reseed its generator at
 once (RNDRESEEDCRNG): every read of /dev/urandom or getrandom(2) after the answer differs from
-the template's and from any other pod's. QEMU's microvm machine has no VM generation ID device
-(vmgenid needs the ACPI tables of the pc and q35 machines), so this is the one reseed there is.
+the template's and from any other pod's. QEMU 7.2 takes `-device vmgenid` on microvm but only the
+pc and q35 machines' ACPI tables describe it (microvm's DSDT has no VGEN device, and no firmware
+writes its address), so the guest's kernel cannot find one: this is the one reseed there is.
 """
 
 from __future__ import annotations
