@@ -54,6 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "integration"))
 
 import _owner  # noqa: E402
+from _guests import OwnGuest  # noqa: E402
 from _owner import OWNER, kept_dir  # noqa: E402
 from podnet import BIN, IMAGE, PodNet  # noqa: E402
 
@@ -325,21 +326,28 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--ten-runs", type=int, default=2, help="rounds of ten at once (default 2)")
     args = ap.parse_args()
+    keep = os.environ.get("FEOS_BENCH_KEEP") == "1"  # the node's and guests' logs stay, to read
+    with kept_dir("feos-bench-pods-", keep) as tmp:
+        guest = OwnGuest(Path(tmp)).install()  # this tree's agent (templates need its assume)
+        try:
+            return _run(args, Path(tmp))
+        finally:
+            guest.restore()
+
+
+def _run(args: argparse.Namespace, root: Path) -> int:
     version, _ = newest_guest(guest_root())
     print(f"guest {version}, QEMU microvm ({os.cpu_count()} cores), 1 vCPU, {MEMORY_MIB} MiB "
           f"each, median of {args.runs}; image {IMAGE}")
-    keep = os.environ.get("FEOS_BENCH_KEEP") == "1"  # the node's and guests' logs stay, to read
-    with kept_dir("feos-bench-pods-", keep) as tmp:
-        root = Path(tmp)
-        bare = OWNER.state_dir(root / "bare" / "state")  # the floor's microVMs outlive MicroVms
-        try:
-            with PodNet(root / "net") as net:
-                info = json.loads(net.ctl("--json", "host", "info").stdout)
-                accel = info.get("version", {}).get("accel", "?")
-                print(f"accelerator {accel}", flush=True)
-                trio.run(bench, net, root, args.runs, args.ten_runs)
-        finally:
-            OWNER.done(bare)  # before the directory goes
+    bare = OWNER.state_dir(root / "bare" / "state")  # the floor's microVMs outlive MicroVms
+    try:
+        with PodNet(root / "net") as net:
+            info = json.loads(net.ctl("--json", "host", "info").stdout)
+            accel = info.get("version", {}).get("accel", "?")
+            print(f"accelerator {accel}", flush=True)
+            trio.run(bench, net, root, args.runs, args.ten_runs)
+    finally:
+        OWNER.done(bare)  # before the directory goes
     return 0
 
 

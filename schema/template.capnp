@@ -31,7 +31,7 @@ interface TemplateService {
   # The template of that shape on the newest guest's blank data, made now unless the node has
   # it (whole, its digests matching). 0: the pod spec's default. FAILED_PRECONDITION where the
   # node's VMM is not QEMU or there is no diskd.
-  removeTemplate @2 (name :Text) -> (status :Common.Status);
+  removeTemplate @2 (templateName :Text) -> (status :Common.Status);
   # NOT_FOUND for a template the node lacks; FAILED_PRECONDITION while it is being made. The
   # pods made from it run on.
 }

@@ -41,7 +41,7 @@ async def template_warm(client: Client, args: argparse.Namespace) -> Table:
 
 
 async def template_rm(client: Client, args: argparse.Namespace) -> str:
-    await client.call("templates", "removeTemplate", name=args.name)
+    await client.call("templates", "removeTemplate", templateName=args.name)
     return f"template {args.name} removed"
 
 

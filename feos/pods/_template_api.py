@@ -13,7 +13,7 @@ from ._templates import Shape, Templates
 
 def _name(value: str) -> str:
     if not value:
-        raise invalid("name", "must name a template")
+        raise invalid("templateName", "must name a template")
     return value
 
 
@@ -34,7 +34,7 @@ class WarmTemplate:
 
 @attrs.frozen
 class TemplateRef:
-    name: str = attrs.field(default="", converter=_name)
+    template_name: str = attrs.field(default="", converter=_name)
 
 
 class TemplateApi:
@@ -59,5 +59,5 @@ class TemplateApi:
 
     @takes(TemplateRef)
     async def remove_template(self, call: TemplateRef) -> dict[str, Any]:
-        await self._need().remove(call.name)
+        await self._need().remove(call.template_name)
         return {}
