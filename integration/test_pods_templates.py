@@ -188,3 +188,12 @@ def test_a_damaged_template_is_dropped_and_made_again(
     pod = _create(net, "pt000000r01")
     assert pod["cameUp"] == f"template:{template['name']}"
     net.ctl("pod", "delete", "pt000000r01")
+
+
+@pytest.mark.skip(reason="Firecracker templates: its guests cannot boot on this machine (PVM, "
+                  "docs/firecracker.md), so there is no booted guest to snapshot; only the tiny "
+                  "test kernel starts, which runs no agent to attach or assume an identity. "
+                  "MicroVms.seed answers FAILED_PRECONDITION under Firecracker and such a node's "
+                  "creates boot cold (docs/templates.md)")
+def test_a_firecracker_template_restores_pods() -> None:
+    raise AssertionError("not reachable on this machine")
