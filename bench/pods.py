@@ -20,9 +20,17 @@ the ratios are of medians (the least of each is printed beside them, for a loade
 Each single pod's bring-up is broken down by its events (disk, vm, guest, containers), and by the
 guest's own times from its console (g:network, the push of its network in the attach; g:pull,
 inside g:create; g:start): docs/pods.md says where the time goes.
+- templated: after those rounds, a template of the same shape (`feosctl template warm 1x512+net`)
+  and the same creates restored from it (docs/templates.md), beside the cold creates above; and
+  ten templated creates at once beside ten raw restores at once: one bare microVM booted and
+  suspended, its snapshot restored into ten microVMs at once (QEMU's -incoming through MicroVms,
+  no pod, no diskd, no network), to the last resumed guest's Ping.
 Targets: one pod under 1.3x its guest's boot; ten at once under 1.3x ten bare boots as well: what
 a pod adds (TAP, records, the pull from the registry, crun) is per pod and small beside a boot
 under TCG, and feosd serialises only its records and table writes, which are milliseconds.
+A templated create under 0.2x a cold one (the boot is what it skips), and ten templated at once
+under 1.5x ten raw restores (what a pod adds to a restore: the disk, the TAP, the identity, the
+pull and the container).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "integration"))
 
 import _owner  # noqa: E402
+from _guests import OwnGuest  # noqa: E402
 from _owner import OWNER, kept_dir  # noqa: E402
 from podnet import BIN, IMAGE, PodNet  # noqa: E402
 
@@ -57,6 +66,8 @@ MEMORY_MIB = 512
 TEN = 10
 TARGET_ONE = 1.3
 TARGET_TEN = 1.3
+TARGET_TEMPLATED = 0.2
+TARGET_TEN_TEMPLATED = 1.5
 
 
 # -- the floor: bare microVMs -------------------------------------------------------------------
@@ -99,10 +110,49 @@ async def bare_boots(root: Path, ids: list[str]) -> float:
     return took
 
 
+async def raw_restores(root: Path, ids: list[str]) -> float:
+    """One bare microVM booted and suspended, then restored into each of `ids` at once (QEMU's
+    `-incoming` of that one snapshot, through MicroVms as the floor's boots are: no pod, no
+    diskd, no network, no identity); seconds to the last resumed guest's answered Ping."""
+    _, gdir = newest_guest(guest_root())
+    source = "rs" + ids[0][2:]
+    async with capnp_thread() as bridge, trio.open_nursery() as nursery:
+        vms = await nursery.start(MicroVms(root / "state", root / "run", bridge).run)
+        disk = await trio.to_thread.run_sync(plain_disk, root, source, gdir)
+        await vms.create(source, VmSpec(memory_mib=MEMORY_MIB, data_disk=str(disk)))
+        await vms.start(source)
+        await (await vms.guest(source, within=30)).ping()
+        await vms.suspend(source)
+        memory = root / f"{source}.memory"
+        vms.snapshot(source).rename(memory)
+        for vm_id in ids:
+            copy = root / f"{vm_id}.img"
+            await trio.run_process(["cp", "--sparse=always", str(disk), str(copy)])
+            await vms.create(vm_id, VmSpec(memory_mib=MEMORY_MIB, data_disk=str(copy)))
+        started = time.perf_counter()
+
+        async def restore(vm_id: str) -> None:
+            await vms.seed(vm_id, memory)
+            await vms.resume(vm_id)
+            await (await vms.guest(vm_id, within=30)).ping()
+
+        async with trio.open_nursery() as restores:
+            for vm_id in ids:
+                restores.start_soon(restore, vm_id)
+        took = time.perf_counter() - started
+        for vm_id in [source, *ids]:
+            await vms.delete(vm_id)
+            (root / f"{vm_id}.img").unlink(missing_ok=True)
+        memory.unlink()
+        nursery.cancel_scope.cancel()
+    return took
+
+
 # -- pods --------------------------------------------------------------------------------------
 
 
-async def create_pods(net: PodNet, ids: list[str]) -> tuple[float, list[float], dict[str, float]]:
+async def create_pods(net: PodNet, ids: list[str], *, check_template: str = ""
+                      ) -> tuple[float, list[float], dict[str, float]]:
     """feosctl pod create --wait for each at once: (seconds to the last exit, the pods' own,
     the bring-up's steps of the first pod in seconds, from its events)."""
     feosctl = [str(BIN / "feosctl"), "--socket", str(net.feosd.socket)]
@@ -129,6 +179,9 @@ async def create_pods(net: PodNet, ids: list[str]) -> tuple[float, list[float], 
         if pod["state"] != "running":  # the round does not count (a loaded machine: an attach
             print(f"  pod {pod_id} is {pod['state']}: {pod['reason']}", flush=True)  # past 60 s)
             _why(net, pod_id)
+            took = math.nan
+        elif check_template and pod.get("cameUp") != f"template:{check_template}":
+            print(f"  pod {pod_id} came up {pod.get('cameUp')}, not from the template", flush=True)
             took = math.nan
         own.append((pod["changedUnixNs"] - pod["createdUnixNs"]) / 1e9)
     if os.environ.get("FEOS_BENCH_KEEP") == "1":  # the guests' consoles, before the deletes
@@ -213,6 +266,8 @@ async def bench(net: PodNet, root: Path, runs: int, ten_runs: int) -> None:
         ten_pods.append(took)
         print(f"  ten at once, round {i + 1}: bare boots {ten_bare[-1]:.2f} s, pods "
               f"{took:.2f} s (feosd's own, slowest {max(ten_own):.2f} s)", flush=True)
+    templated, ten_templated, ten_raw = await templated_rounds(net, root, runs, ten_runs)
+
     def med(values: list[float]) -> float:
         return statistics.median([v for v in values if not math.isnan(v)] or [math.nan])
 
@@ -228,6 +283,38 @@ async def bench(net: PodNet, root: Path, runs: int, ten_runs: int) -> None:
           f"(target < {TARGET_ONE})")
     print(f"ratio ten pods at once / ten bare boots at once: {med(ten_pods) / med(ten_bare):.2f} "
           f"(target < {TARGET_TEN})")
+    print(f"templated create to RUNNING: median {med(templated):.2f} s (cold {med(pods):.2f} s);"
+          f" ten templated at once {med(ten_templated):.2f} s, ten raw restores at once "
+          f"{med(ten_raw):.2f} s")
+    print(f"ratio templated create / cold create: {med(templated) / med(pods):.2f} "
+          f"(target < {TARGET_TEMPLATED})")
+    print(f"ratio ten templated at once / ten raw restores at once: "
+          f"{med(ten_templated) / med(ten_raw):.2f} (target < {TARGET_TEN_TEMPLATED})")
+
+
+async def templated_rounds(net: PodNet, root: Path, runs: int,
+                           ten_runs: int) -> tuple[list[float], list[float], list[float]]:
+    """The same creates from a template of their shape (made now, after the cold rounds), and
+    ten at once beside ten raw restores at once."""
+    made = await trio.to_thread.run_sync(
+        lambda: net.ctl_json("template", "warm", f"1x{MEMORY_MIB}+net", timeout=300))
+    print(f"  template {made['name']}: {made['memoryBytes'] >> 20} MiB of memory", flush=True)
+    templated: list[float] = []
+    for i in range(runs):
+        took, mine, steps = await create_pods(net, [f"pq{i:09d}"], check_template=made["name"])
+        templated.append(took)
+        print(f"  templated round {i + 1}: create to RUNNING {took:.2f} s (feosd's own "
+              f"{mine[0]:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()) + ")",
+              flush=True)
+    ten_templated, ten_raw = [], []
+    for i in range(ten_runs):
+        ten_raw.append(await raw_restores(root / "bare", [f"rr{i}{j:08d}" for j in range(TEN)]))
+        took, _, _ = await create_pods(net, [f"pr{i}{j:08d}" for j in range(TEN)],
+                                       check_template=made["name"])
+        ten_templated.append(took)
+        print(f"  ten at once, round {i + 1}: raw restores {ten_raw[-1]:.2f} s, templated pods "
+              f"{took:.2f} s", flush=True)
+    return templated, ten_templated, ten_raw
 
 
 def _least(values: list[float]) -> float:
@@ -239,21 +326,28 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--ten-runs", type=int, default=2, help="rounds of ten at once (default 2)")
     args = ap.parse_args()
+    keep = os.environ.get("FEOS_BENCH_KEEP") == "1"  # the node's and guests' logs stay, to read
+    with kept_dir("feos-bench-pods-", keep) as tmp:
+        guest = OwnGuest(Path(tmp)).install()  # this tree's agent (templates need its assume)
+        try:
+            return _run(args, Path(tmp))
+        finally:
+            guest.restore()
+
+
+def _run(args: argparse.Namespace, root: Path) -> int:
     version, _ = newest_guest(guest_root())
     print(f"guest {version}, QEMU microvm ({os.cpu_count()} cores), 1 vCPU, {MEMORY_MIB} MiB "
           f"each, median of {args.runs}; image {IMAGE}")
-    keep = os.environ.get("FEOS_BENCH_KEEP") == "1"  # the node's and guests' logs stay, to read
-    with kept_dir("feos-bench-pods-", keep) as tmp:
-        root = Path(tmp)
-        bare = OWNER.state_dir(root / "bare" / "state")  # the floor's microVMs outlive MicroVms
-        try:
-            with PodNet(root / "net") as net:
-                info = json.loads(net.ctl("--json", "host", "info").stdout)
-                accel = info.get("version", {}).get("accel", "?")
-                print(f"accelerator {accel}", flush=True)
-                trio.run(bench, net, root, args.runs, args.ten_runs)
-        finally:
-            OWNER.done(bare)  # before the directory goes
+    bare = OWNER.state_dir(root / "bare" / "state")  # the floor's microVMs outlive MicroVms
+    try:
+        with PodNet(root / "net") as net:
+            info = json.loads(net.ctl("--json", "host", "info").stdout)
+            accel = info.get("version", {}).get("accel", "?")
+            print(f"accelerator {accel}", flush=True)
+            trio.run(bench, net, root, args.runs, args.ten_runs)
+    finally:
+        OWNER.done(bare)  # before the directory goes
     return 0
 
 

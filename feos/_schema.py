@@ -58,6 +58,10 @@ def host() -> Any:
     return load("host")
 
 
+def template() -> Any:
+    return load("template")
+
+
 def guest() -> Any:
     return load("guest")
 

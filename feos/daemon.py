@@ -49,7 +49,7 @@ from .net import (
     prepare_exec,
     take_dns_sockets,
 )
-from .pods import PodService, SuspendedForStop, VolumeService
+from .pods import PodService, SuspendedForStop, TemplateApi, VolumeService
 from .rpc import (
     Cap,
     CapnpThread,
@@ -110,6 +110,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "(default 120)")
     p.add_argument("--web", metavar="ADDRESS:PORT",
                    help="serve the web console, such as 127.0.0.1:8080 (off loopback: a token)")
+    p.add_argument("--warm-templates", type=_shapes, default=[], metavar="SHAPES",
+                   help="pod templates to keep made, as VCPUSxMEMORY_MIB[+net] separated by "
+                   "commas, such as 1x512+net,2x1024 (docs/templates.md)")
+    p.add_argument("--templates-on-first-use", action="store_true",
+                   help="make a pod template when a create finds none that fits (that create "
+                   "boots cold; the next restore)")
     p.add_argument(
         "--self-upgrade",
         action="store_true",
@@ -192,6 +198,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except FeosError as exc:
         p.error(exc.message)
     return args
+
+
+def _shapes(text: str) -> list[Any]:
+    from .errors import FeosError
+    from .pods import TemplateShape
+
+    try:
+        return [TemplateShape.parse(part.strip()) for part in text.split(",") if part.strip()]
+    except FeosError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
 
 
 def parse_tcp(text: str) -> tuple[str, int]:
@@ -356,20 +372,23 @@ class Daemon:
         """The API's services by the bootstrap's names: the socket's and the node connections'."""
         return {"volumes": self.volumes, "securityGroups": self.groups, "names": self.names,
                 "host": self.host, "pods": self.pods,
-                "traffic": self.network.traffic if self.network else object(), "mesh": self.mesh}
+                "traffic": self.network.traffic if self.network else object(), "mesh": self.mesh,
+                "templates": TemplateApi(self.pods.templates if self.pods else None)}
 
     def bootstrap(self, bridge: CapnpThread) -> Any:
-        pod, vol, net, host, api = (
+        pod, vol, net, host, api, template = (
             _schema.pod(),
             _schema.volume(),
             _schema.network(),
             _schema.host(),
             _schema.api(),
+            _schema.template(),
         )
         interfaces = {
             "volumes": vol.VolumeService, "securityGroups": net.SecurityGroupService,
             "names": net.NameService, "host": host.HostService, "pods": pod.PodService,
             "traffic": net.TrafficService, "mesh": net.MeshService,
+            "templates": template.TemplateService,
         }
         services = {name: Cap(interfaces[name], impl) for name, impl in self.services().items()}
 
@@ -423,7 +442,9 @@ class Daemon:
                 log.warning("no diskd answers at %s: a pod that needs a disk waits for it up to "
                             "%gs, then fails", self.diskd.path, wait)
             self.pods = PodService(self.state_dir, self.vms, self.volumes, groups=self.groups,
-                                   tables=self.names, bridge=bridge, diskd=self.diskd)
+                                   tables=self.names, bridge=bridge, diskd=self.diskd,
+                                   warm_templates=tuple(self.args.warm_templates),
+                                   templates_on_first_use=self.args.templates_on_first_use)
             self.volumes.disks = self.pods.disks
             self.pods.load()
             self.network = Network(self.args.network, self.state_dir, self.pods, self.groups,

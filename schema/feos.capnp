@@ -6,6 +6,7 @@ using Pod = import "pod.capnp";
 using Volume = import "volume.capnp";
 using Network = import "network.capnp";
 using Host = import "host.capnp";
+using Template = import "template.capnp";
 
 interface Feos {
   pods @0 () -> (service :Pod.PodService);
@@ -15,4 +16,5 @@ interface Feos {
   traffic @4 () -> (service :Network.TrafficService);
   host @5 () -> (service :Host.HostService);
   mesh @6 () -> (service :Network.MeshService);
+  templates @7 () -> (service :Template.TemplateService);
 }

@@ -67,6 +67,21 @@ interface GuestService {
   shutdown @18 (reboot :Bool) -> (status :Status);
   # Stops the containers (SIGTERM, 10 s), syncs, unmounts the volumes, powers off (or reboots).
   # Answered before the power goes.
+
+  assume @19 (identity :Identity) -> (status :Status);
+  # The pod's identity, before its containers start (every bring-up; a guest restored from a
+  # template has the template's until then): the hostname and machine ID set, the network
+  # device's MAC address set (a restored guest's is the snapshot's), the clock set, and the
+  # kernel's random pool reseeded with the node's bytes and the agent's own; answered after.
+}
+
+struct Identity {
+  podId @0 :Text;
+  hostname @1 :Text;     # the guest's, and its containers' from then on
+  machineId @2 :Text;    # 32 hex digits; the containers see it as /etc/machine-id
+  mac @3 :Text;          # the network device's; empty: no network
+  entropy @4 :Data;      # fresh random bytes of the node's, 32 or more
+  realtimeNs @5 :Int64;  # the node's wall clock
 }
 
 enum LogStream {

@@ -118,6 +118,8 @@ struct PodInfo {
   baked @15 :Text;               # the layer baked of the pod's image, once it is in the object store
   checkpoint @16 :Text;          # while hibernated: its checkpoint in the object store (sha256:...)
   hibernation @17 :Hibernation;  # while a hibernation runs
+  cameUp @18 :Text;              # its last bring-up's way: "cold" (a boot), or "template:<name>"
+                                 # (restored from that template, docs/templates.md)
 }
 
 struct PodEvent {

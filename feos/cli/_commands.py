@@ -444,5 +444,11 @@ def _register_traffic(nouns: Any) -> None:
     register_traffic(nouns)
 
 
+def _register_template(nouns: Any) -> None:
+    from ._templates import register_template
+
+    register_template(nouns)
+
+
 NOUNS = [_register_pod, register_volume, register_group, register_names, register_host,
-         _register_traffic, register_mesh]
+         _register_traffic, register_mesh, _register_template]

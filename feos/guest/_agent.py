@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 from feos.errors import Code, FeosError
 
-from . import _initramfs, _proc, _system
+from . import _identity, _initramfs, _proc, _system
 from ._containers import Containers
 from ._hello import NODE_POKE, guest_hello
 from ._images import ImageStore
@@ -177,6 +177,18 @@ class Agent:
         # rtnetlink on this thread: each request is answered inside its send (microseconds)
         _system.configure_network(dev, cfg["ipv6"], cfg["ula"], cfg["ipv4"], cfg["mtu"])
         _system.write_in_place(self.resolv_conf, _system.resolv_conf(cfg["resolvers"]))
+
+    async def assume(self, hostname: str, machine_id: str, mac: str, entropy: bytes,
+                     realtime_ns: int) -> None:
+        """The pod's identity (feos.guest._identity): the pool reseeded first, so that nothing
+        the agent answers after it comes of the template's."""
+        _identity.reseed(entropy)
+        _identity.set_hostname(hostname)
+        path = _identity.write_machine_id(self.opts.run_dir, machine_id)
+        _identity.set_mac(mac, self.opts.sys_net)
+        if realtime_ns > 0:
+            _system.set_time(realtime_ns)
+        self.containers.identity(hostname, path)
 
     async def mount_volumes(self, vols: list[dict[str, Any]]) -> list[tuple[str, str]]:
         where = await _system.writable_dir(self.reaper, self.opts.volumes_dir, self.opts.run_dir)

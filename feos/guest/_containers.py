@@ -102,6 +102,11 @@ class Containers:
         self.exec_dir = crun_root.rstrip("/") + "-exec"  # process.json and console sockets
         self._execs = 0
         self._gate: int | None = None  # _size_gate's fd once looked for; -1: there is none
+        self.hostname = ""  # the pod's (assume): the containers' from then on; else their names
+        self.machine_id = ""  # the file the containers see as /etc/machine-id
+
+    def identity(self, hostname: str, machine_id: str) -> None:
+        self.hostname, self.machine_id = hostname, machine_id
 
     # The records --------------------------------------------------------------------------
 
@@ -232,9 +237,11 @@ class Containers:
         cwd = config["workingDir"] or str(ic.get("WorkingDir") or "/")
         _check_command(rootfs, args[0], env, cwd, [dest for _, dest, _ in binds], config)
         spec = _oci.config(
-            hostname=config["name"], args=args, env=env, cwd=cwd, uid=uid, gid=gid,
-            resolv_conf=self.resolv_conf, binds=binds,
+            hostname=self.hostname or config["name"], args=args, env=env, cwd=cwd, uid=uid,
+            gid=gid, resolv_conf=self.resolv_conf, binds=binds,
         )  # fmt: skip
+        if self.machine_id:
+            _machine_id_in(rootfs, spec, self.machine_id)
         write_whole(os.path.join(work, "bundle", "config.json"), json.dumps(spec).encode())
         write_whole(os.path.join(work, "state.json"), json.dumps(record).encode())
         phases.mark("records")
@@ -621,3 +628,18 @@ def state_dict(c: Container) -> dict[str, Any]:
             "exitCode": int(r.get("exitCode", 0)),
             "createdNs": int(r.get("createdNs", 0)), "startedNs": int(r.get("startedNs", 0)),
             "finishedNs": int(r.get("finishedNs", 0))}  # fmt: skip
+
+
+def _machine_id_in(rootfs: str, spec: dict[str, Any], source: str) -> None:
+    """The pod's machine ID bound over the image's /etc/machine-id (a file to bind onto)."""
+    target = os.path.join(rootfs, "etc", "machine-id")
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if os.path.islink(target) or not os.path.isfile(target):
+        try:
+            os.unlink(target)
+        except (FileNotFoundError, IsADirectoryError):
+            pass
+        open(target, "a").close()
+    spec["mounts"].append({"destination": "/etc/machine-id", "type": "bind", "source": source,
+                           "options": ["bind", "ro", "nosuid", "nodev"]})
+

@@ -32,6 +32,7 @@ RTM_NEWROUTE, RTM_DELROUTE, RTM_GETROUTE = 24, 25, 26
 
 IFF_UP = 0x1
 IFLA_MTU = 4
+IFLA_ADDRESS = 1
 IFA_ADDRESS, IFA_LOCAL = 1, 2
 IFA_F_NODAD = 0x02
 RTA_DST, RTA_OIF, RTA_GATEWAY, RTA_METRICS, RTA_TABLE = 1, 4, 5, 8, 15
@@ -170,6 +171,12 @@ def link_up(index: int, mtu: int = 0) -> bytes:
     return IFINFO.pack(socket.AF_UNSPEC, 0, index, IFF_UP, IFF_UP) + (
         u32(IFLA_MTU, mtu) if mtu else b""
     )
+
+
+def link_address(index: int, mac: bytes) -> bytes:
+    """An RTM_NEWLINK payload: the device's hardware address (a restored guest's NIC keeps the
+    snapshot's until it is told its own)."""
+    return IFINFO.pack(socket.AF_UNSPEC, 0, index, 0, 0) + attr(IFLA_ADDRESS, mac)
 
 
 def addr_msg(family: int, index: int, addr: bytes, prefixlen: int, flags: int = 0) -> bytes:

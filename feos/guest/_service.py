@@ -250,6 +250,18 @@ class GuestServer(guest.GuestService.Server):  # type: ignore[misc]
 
         await guarded("exec", ctx, body)
 
+    # the pod's identity --------------------------------------------------------------------
+
+    async def assume_context(self, ctx: Any) -> None:
+        async def body(p: Any, r: Any) -> None:
+            i = p.identity
+            entropy = bytes(i.entropy)
+            _validate.check(len(entropy) >= 32, "identity.entropy", "32 bytes or more")
+            await self.a.assume(str(i.hostname), str(i.machineId), str(i.mac), entropy,
+                                int(i.realtimeNs))
+
+        await guarded("assume", ctx, body)
+
     # the data volume, memory, power ------------------------------------------------------
 
     async def freezeFilesystem_context(self, ctx: Any) -> None:

@@ -14,6 +14,7 @@ from ._values import Attached as Attached
 from ._values import ContainerConfig as ContainerConfig
 from ._values import ContainerState as ContainerState
 from ._values import ExecResult as ExecResult
+from ._values import Identity as Identity
 from ._values import NetworkConfig as NetworkConfig
 from ._values import Ping as Ping
 from ._values import VolumeMount as VolumeMount

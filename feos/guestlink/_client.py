@@ -31,6 +31,7 @@ from ._values import (
     ContainerConfig,
     ContainerState,
     ExecResult,
+    Identity,
     NetworkConfig,
     Ping,
     VolumeOutcome,
@@ -313,6 +314,13 @@ class GuestClient:
 
     async def set_time(self, realtime_ns: int) -> None:
         await _call(self._g().setTime(realtime_ns))
+
+    async def assume(self, identity: Identity) -> None:
+        i = guest.Identity.new_message(
+            podId=identity.pod_id, hostname=identity.hostname, machineId=identity.machine_id,
+            mac=identity.mac, entropy=identity.entropy, realtimeNs=identity.realtime_ns,
+        )  # fmt: skip
+        await _call(self._g().assume(i))
 
     async def configure_network(self, config: NetworkConfig) -> None:
         c = guest.NetworkConfig.new_message(

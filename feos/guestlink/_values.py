@@ -20,6 +20,18 @@ class Ping:
 
 
 @attrs.frozen
+class Identity:
+    """A pod's identity in its guest (GuestService.assume)."""
+
+    pod_id: str
+    hostname: str
+    machine_id: str
+    mac: str
+    entropy: bytes
+    realtime_ns: int
+
+
+@attrs.frozen
 class NetworkConfig:
     ipv6: str = ""
     ipv4: str = ""

@@ -30,6 +30,7 @@ from ._links import NodeSetup as NodeSetup
 from ._links import TapSpec as TapSpec
 from ._links import delete_tap as delete_tap
 from ._links import guest_mac as guest_mac
+from ._links import make_bare_tap as make_bare_tap
 from ._links import make_tap as make_tap
 from ._links import prepare_node as prepare_node
 from ._links import tap_name as tap_name

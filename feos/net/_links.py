@@ -183,6 +183,12 @@ def create_tuntap(name: str, kind: int, owner_uid: int | None) -> None:
     _attached_tuntap(name, kind | IFF_NO_PI, owner_uid, persist=True)
 
 
+def make_bare_tap(name: str) -> None:
+    """A TAP with no address nor route: a pod template's, whose guest never sends through it
+    (feos.pods' templates); deleted with delete_tap."""
+    create_tuntap(name, IFF_TAP, None)
+
+
 def give_tuntap(name: str, flags: int, owner_uid: int) -> None:
     """An existing device (not attached by anyone: a VMM holding it makes this EBUSY) given to
     `owner_uid`; `flags` are its own (multi-queue must match, vnet_hdr is kept)."""

@@ -13,11 +13,14 @@ if TYPE_CHECKING:
     from ._service import PodService as PodService
     from ._spec import new_pod_id as new_pod_id
     from ._stop import SuspendedForStop as SuspendedForStop
+    from ._template_api import TemplateApi as TemplateApi
+    from ._templates import TemplateShape as TemplateShape
     from ._volumes import VolumeService as VolumeService
 
 _LAZY = {
     "PodService": "_service", "new_pod_id": "_spec", "SuspendedForStop": "_stop",
-    "VolumeService": "_volumes", "console_log": "_console",
+    "VolumeService": "_volumes", "console_log": "_console", "TemplateApi": "_template_api",
+    "TemplateShape": "_templates",
 }  # fmt: skip
 
 

@@ -9,8 +9,11 @@ pod service records RUNNING or FAILED from its end.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
+import os
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -18,11 +21,20 @@ import trio
 
 from ..errors import Code, FeosError
 from ..vmm import VmInfo, VmSpec, VmState, guest_root, newest_guest
-from ._bake import Baker, choose_base, token_for
+from ._bake import Baker, choose_base, on_layer, token_for
 from ._disks import DiskFile, PodDisks
 from ._netface import NetworkFace
 from ._pod import Pod
-from ._ports import ContainerConfig, Guest, MicroVmsPort, VolumeMount, Volumes, VolumeSpec
+from ._ports import (
+    ContainerConfig,
+    Guest,
+    Identity,
+    MicroVmsPort,
+    VolumeMount,
+    Volumes,
+    VolumeSpec,
+)
+from ._templates import Template, Templates
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +54,7 @@ class BringUp:
         keep: Callable[[Pod], Awaitable[None]],
         attach_s: float,
         baker: Baker | None = None,
+        templates: Templates | None = None,
     ) -> None:
         self._state_dir = state_dir
         self._vms = vms
@@ -52,6 +65,8 @@ class BringUp:
         self._keep = keep
         self.attach_s = attach_s
         self._baker = baker or Baker(None, _nowhere)
+        self.templates = templates
+        self._picked: dict[str, Template] = {}  # pod -> the template its new disk is made on
 
     async def run(self, pod: Pod) -> None:
         """Every step, RUNNING left to the caller; FeosError naming what failed."""
@@ -65,16 +80,47 @@ class BringUp:
             await self._keep(pod)  # what the disk was made on
         token = token_for(pod, token)  # a disk on a baked layer has its image
         self._step(pod, "vm")
+        template = self._picked.pop(pod.id, None)
         info = await self._ensure_vm(pod, vm_spec)
+        if template is not None and info.state is VmState.CREATED:
+            info = await self._restore(pod, template, vm_spec)
         if info.state is not VmState.RUNNING:
+            pod.came_up = "cold"
             await self._vms.start(pod.id, wait_attach=False)
         self._step(pod, "guest")
         guest = await self._attached(pod)
+        await assume(pod, guest, restored=pod.came_up.startswith("template:"))
         self._step(pod, "volumes")
         await self._mount_volumes(pod, guest)
         await self._baker.bake_point(pod, guest, token)
         self._step(pod, "containers")
         await self._start_containers(pod, guest, token, fresh=fresh)
+
+    async def _restore(self, pod: Pod, template: Template, spec: VmSpec) -> VmInfo:
+        """The pod's new microVM restored from the template's snapshot; a restore that fails
+        leaves a created microVM (made anew) to boot cold on the same disk."""
+        assert self.templates is not None
+        try:
+            await self._vms.seed(pod.id, self.templates.memory(template))
+            info = await self._vms.resume(pod.id)
+            pod.came_up = f"template:{template.name}"
+            return info
+        except FeosError as exc:
+            log.warning("pod %s: the restore from template %s failed (%s): it boots cold",
+                        pod.id, template.name, exc.message)  # fmt: skip
+            await self._vms.delete(pod.id)
+            return await self._ensure_vm(pod, spec)
+
+    async def _choose(self, pod: Pod, guest: str, blank: str) -> str:
+        """The new disk's base: a fitting template's layer where the node has one."""
+        base = await choose_base(self._baker.diskd, pod, guest, blank)
+        if self.templates is not None:
+            image = pod.spec.containers[0].image if on_layer(pod) else ""
+            template = await self.templates.fitting(pod, base, image)
+            if template is not None:
+                self._picked[pod.id] = template
+                return template.layer
+        return base
 
     def _vm(self, pod: Pod) -> VmInfo | None:
         try:
@@ -91,7 +137,7 @@ class BringUp:
         else:
             _, guest_dir = newest_guest(guest_root())
         vmm = self._vms.driver_for(pod.id)
-        choose = functools.partial(choose_base, self._baker.diskd, pod, guest_dir.name)
+        choose = functools.partial(self._choose, pod, guest_dir.name)
         disk, fresh = await self._disks.pod(pod.id, guest_dir, pod.spec.disk_size_mib << 20, vmm,
                                             choose)
         volume_disks: list[DiskFile] = []
@@ -179,6 +225,27 @@ class BringUp:
                 await guest.start_container(container.name)
             except FeosError as exc:
                 raise FeosError(exc.code, f"container {container.name}: {exc.message}") from None
+
+
+async def assume(pod: Pod, guest: Guest, *, restored: bool) -> None:
+    """The pod's identity in its guest, before anything of the pod runs there. A guest of a
+    version before assume (a cold boot only: templates are made of the newest) goes without."""
+    try:
+        await guest.assume(identity(pod))
+    except FeosError as exc:
+        if restored:
+            raise FeosError(exc.code, f"the restored guest did not take the pod's identity: "
+                            f"{exc.message}") from None
+        log.info("pod %s: the guest did not take its identity: %s", pod.id, exc.message)
+
+
+def identity(pod: Pod) -> Identity:
+    from feos.net import guest_mac
+
+    return Identity(pod_id=pod.id, hostname=pod.id,
+                    machine_id=hashlib.sha256(f"feos-machine-id:{pod.id}".encode()).hexdigest()[:32],
+                    mac=guest_mac(pod.id) if pod.spec.network is not None else "",
+                    entropy=os.urandom(64), realtime_ns=time.time_ns())  # fmt: skip
 
 
 async def _nowhere(pod: Pod, digest: str) -> None:

@@ -38,6 +38,7 @@ class Pod:
     baked: str = ""  # the layer baked of it, once it is in the object store
     generation: int = 0
     checkpoint: str = ""  # while HIBERNATED: its checkpoint's reference in the object store
+    came_up: str = ""  # its last bring-up's way: "cold", or "template:<name>" (a restore)
     lock: trio.Lock = attrs.field(factory=trio.Lock)
     bringup: Change[None] | None = None  # the bring-up in flight, or the last one
     pull_token: str = attrs.field(default="", repr=False)  # memory only, for the next bring-up
@@ -53,6 +54,7 @@ class Pod:
             "driver": self.driver, "imageLayers": self.image_layers,
             "disk": self.disk, "baked": self.baked, "generation": self.generation,
             "checkpoint": self.checkpoint,
+            "cameUp": self.came_up,
         }  # fmt: skip
 
     def answer(self, containers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -76,6 +78,7 @@ def from_record(data: dict[str, Any]) -> Pod:
         driver=data.get("driver", ""), image_layers=data.get("imageLayers", {}),
         disk=data.get("disk", ""), baked=data.get("baked", ""),
         generation=data.get("generation", 0), checkpoint=data.get("checkpoint", ""),
+        came_up=data.get("cameUp", ""),
     )  # fmt: skip
 
 

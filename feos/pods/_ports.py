@@ -19,6 +19,7 @@ import trio
 
 from ..guestlink import ContainerConfig as ContainerConfig
 from ..guestlink import ContainerState as ContainerState
+from ..guestlink import Identity as Identity
 from ..guestlink import NetworkConfig as NetworkConfig
 from ..guestlink import VolumeMount as VolumeMount
 from ..guestlink import VolumeOutcome as VolumeOutcome
@@ -49,6 +50,8 @@ class Guest(Protocol):
 
     async def freeze_filesystem(self) -> None: ...
 
+    async def assume(self, identity: Identity) -> None: ...
+
     async def thaw_filesystem(self) -> None: ...
 
 
@@ -66,6 +69,16 @@ class MicroVmsPort(Protocol):
     async def suspend(self, vm_id: str, *, purge_guest: bool = True) -> VmInfo: ...
 
     async def resume(self, vm_id: str) -> VmInfo: ...
+
+    async def seed(self, vm_id: str, memory: Path) -> VmInfo:
+        """A created microVM given a template's snapshot: SUSPENDED, for `resume`."""
+        ...
+
+    def snapshot(self, vm_id: str) -> Path:
+        """A suspended microVM's memory file."""
+        ...
+
+    def list(self) -> list[VmInfo]: ...
 
     async def delete(self, vm_id: str) -> None:
         """Idempotent: a microVM that is not there is deleted."""

@@ -20,6 +20,7 @@ end within --stop-grace and only then cancels them (`finish_changes`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -74,6 +75,7 @@ from ._pod import Pod, container_status, from_record
 from ._ports import Guest, MicroVmsPort, Named, NetworkConfig, Records, Volumes
 from ._spec import parse_spec
 from ._streams import open_exec, open_logs
+from ._templates import Shape, Templates
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,8 @@ class PodService:
         attach_timeout: float = 60.0,
         records: Records | None = None,
         diskd: DiskdPort | None = None,
+        warm_templates: tuple[Shape, ...] = (),
+        templates_on_first_use: bool = False,
     ) -> None:
         self.state_dir = state_dir
         self._vms = vms
@@ -111,9 +115,13 @@ class PodService:
         self._changes = Changes()
         self.disks = PodDisks(state_dir, diskd)  # the volume service's too (feosd sets it)
         self._baker = Baker(diskd, self._baked)
+        # Templates need diskd (their disks are its layers); none without it.
+        self.templates = None if diskd is None else Templates(
+            state_dir, vms, diskd, on_first_use=templates_on_first_use)
+        self._warm = warm_templates
         self._bringup = BringUp(state_dir, vms, volumes, disks=self.disks, network=self._net,
                                 step=self._step, keep=self._keep, attach_s=attach_timeout,
-                                baker=self._baker)
+                                baker=self._baker, templates=self.templates)
         self.events = EventHub()
         self._hib = Hibernator(state_dir, vms, volumes, diskd=diskd, disks=self.disks,
                                network=self._net, bringup=self._bringup, apply=self._apply,
@@ -139,6 +147,9 @@ class PodService:
         async with trio.open_nursery() as nursery:
             self._changes.open(nursery)
             await nursery.start(self._baker.run)
+            if self.templates is not None:
+                await nursery.start(functools.partial(self.templates.run, warm=self._warm,
+                                                      is_pod=self._pods.__contains__))
             await self._reconcile_volumes()
             await self._give_addresses()
             for pod in list(self._pods.values()):

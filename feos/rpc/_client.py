@@ -21,7 +21,8 @@ from ..errors import Code, FeosError
 if TYPE_CHECKING:
     from ._tls import ClientContext, ClientTls
 
-SERVICES = ("pods", "volumes", "securityGroups", "names", "traffic", "host", "mesh")
+SERVICES = ("pods", "volumes", "securityGroups", "names", "traffic", "host", "mesh",
+            "templates")
 
 
 def is_socket_path(address: str) -> bool:

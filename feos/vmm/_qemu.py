@@ -402,6 +402,11 @@ class QemuDriver:
         if scope.cancelled_caught:
             await self._kill(vm.id)
 
+    async def seed(self, vm: VmHandle, memory: Path) -> None:
+        """A template's snapshot as this microVM's: hard-linked (the resume's discard unlinks
+        the link only), copied where it is on another filesystem."""
+        await trio.to_thread.run_sync(_seed, memory, vm.directory / "snapshot" / SNAPSHOT_FILE)
+
     async def late_snapshot_done(self, vm: VmHandle) -> None:
         """The late snapshot ended: run the VM again and discard the snapshot and the marker."""
         live = self._need(vm)
@@ -637,6 +642,21 @@ def _seal(src: Path, dst: Path) -> None:
     and FeOS keeps /var/lib/feos on a tmpfs, where a sync is moot."""
     punch_zeros(src)
     src.replace(dst)
+
+
+def _seed(memory: Path, dst: Path) -> None:
+    dst.parent.mkdir(exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        dst.unlink()
+    try:
+        os.link(memory, dst)
+    except FileNotFoundError:
+        why = f"the template's snapshot {memory} is gone"
+        raise FeosError(Code.FAILED_PRECONDITION, why) from None
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+            raise
+        shutil.copyfile(memory, dst)
 
 
 def _undo_jail(d: Path) -> None:

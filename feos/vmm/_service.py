@@ -520,6 +520,23 @@ class MicroVms:
                           "kept" if vm.link.sessions == sessions else "new")  # fmt: skip
         return self._info(vm)
 
+    async def seed(self, vm_id: str, memory: Path) -> VmInfo:
+        """A created microVM given a template's snapshot (its memory, read, never changed):
+        SUSPENDED, so that `resume` restores it as a suspended one. Its spec must be the
+        template's shape, which the pod service's templates see to."""
+        vm = self._get(vm_id)
+        async with vm.lock:
+            if vm.record.state is not VmState.CREATED:
+                raise FeosError(Code.FAILED_PRECONDITION,
+                                f"microVM {vm_id} is {vm.record.state.value}, not created")
+            seed = getattr(self._driver(vm), "seed", None)
+            if seed is None:
+                raise FeosError(Code.FAILED_PRECONDITION, f"{vmm_name(vm.record.driver)} "
+                                "restores no template here (QEMU does)")
+            await seed(vm.handle, memory)
+            await self._record(vm, VmState.SUSPENDED, "seeded from a template")
+        return self._info(vm)
+
     async def delete(self, vm_id: str) -> None:
         vm = self._vms.get(vm_id)
         if vm is None:
@@ -595,6 +612,11 @@ class MicroVms:
 
     def get(self, vm_id: str) -> VmInfo:
         return self._info(self._get(vm_id))
+
+    def snapshot(self, vm_id: str) -> Path:
+        """A suspended QEMU microVM's memory (what a template keeps of its guest)."""
+        vm = self._get(vm_id)
+        return self._driver(vm).directory(vm_id) / "snapshot" / "memory"
 
     def list(self) -> list[VmInfo]:
         return [self._info(vm) for vm in self._vms.values()]

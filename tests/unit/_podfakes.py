@@ -76,6 +76,9 @@ class FakeGuest:
     async def thaw_filesystem(self) -> None:
         await self._holds.at("thaw_filesystem")
 
+    async def assume(self, identity: Any) -> None:
+        await self._holds.at("assume")
+
 
 class FakeVms(Holds):
     def __init__(self) -> None:
@@ -91,6 +94,9 @@ class FakeVms(Holds):
     def driver_for(self, vm_id: str) -> str:
         info = self.vms.get(vm_id)
         return info.driver if info is not None else "fakevmm"
+
+    def list(self) -> list[VmInfo]:
+        return list(self.vms.values())
 
     def get(self, vm_id: str) -> VmInfo:
         try:

@@ -93,6 +93,9 @@ class FakeGuest:
         self._call("list_containers")
         return [Container(name) for name in self.containers]
 
+    async def assume(self, identity: object) -> None:
+        pass  # the identity's own tests: test_templates_unit
+
     async def pull_image(self, reference: str, pull_token: str = "") -> tuple[str, bool]:
         self._call("pull_image", f"pull_image {reference} token={pull_token}")
         return "sha256:" + "e" * 64, False
