@@ -465,8 +465,11 @@ def _where(sock: socket.socket) -> str:
 
 def vms_cgroups() -> Any:
     """The microVMs' cgroup layout (vms/<id> below feosd's cgroup), prepared; None without one."""
-    from .vmm import detect_cgroups, prepare_cgroups
+    from .vmm import detect_cgroups, in_container, prepare_cgroups
 
+    if in_container():
+        log.info("in a container (a cgroup namespace of its own): feosd moves into feosd/ of the "
+                 "container's cgroup, and the microVMs, beside it, end with the container")
     try:
         layout = detect_cgroups()
         prepare_cgroups(layout)

@@ -45,4 +45,5 @@ from ._service import newest_guest as newest_guest
 # Offered under names that say what they are at the package's level:
 detect_cgroups = _cgroup.detect  # the microVMs' cgroup layout below feosd's
 prepare_cgroups = _cgroup.prepare
+in_container = _cgroup.own_cgroup_namespace  # a cgroup namespace of its own: On Kubernetes
 installed_firecrackers = _jail.installed  # the Firecracker releases installed, oldest first
