@@ -110,6 +110,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "QEMU under KVM, else QEMU on TCG), firecracker (or feosd does not start), qemu "
         "(KVM if it works, else TCG); default auto (docs/vmm.md)",
     )
+    p.add_argument(
+        "--vms-cgroup",
+        metavar="PATH",
+        help="the cgroup the microVMs' vms/<id> go below, as /proc/self/cgroup names it, such "
+        "as /system.slice/feos-vms.service (default: beside feosd, below its own cgroup)",
+    )
+    p.add_argument(
+        "--hand-over-vms",
+        action="store_true",
+        help="move the microVMs a feosd left below its own unit's cgroup into --vms-cgroup, "
+        "then exit (feosd.service's ExecStopPost=)",
+    )
     add_network_arguments(p.add_argument_group("the pods' network"))
     cp = p.add_argument_group("the control plane (docs/control-plane.md)")
     cp.add_argument("--control-plane", metavar="HOST:PORT",
@@ -123,6 +135,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     cp.add_argument("--mesh-address")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
+    if args.hand_over_vms and not args.vms_cgroup:
+        p.error("--hand-over-vms: needs --vms-cgroup")
+    if args.vms_cgroup is not None and not args.vms_cgroup.startswith("/"):
+        p.error("--vms-cgroup: must be a cgroup path starting with /")
     if args.stop_grace <= 0:
         p.error("--stop-grace: must be a positive number of seconds")
     if args.control_plane is not None:
@@ -314,7 +330,7 @@ class Daemon:
         staged = None
         async with capnp_thread() as bridge, trio.open_nursery() as nursery:
             await nursery.start(REAPER.run)  # the orphans re-parented to feosd (_reaper)
-            cgroups = await trio.to_thread.run_sync(vms_cgroups)
+            cgroups = await trio.to_thread.run_sync(vms_cgroups, self.args.vms_cgroup)
             self.vms = MicroVms(self.state_dir, self.run_dir, bridge, network=self.guest_network,
                                 cgroups=cgroups, choice=vmm)
             await nursery.start(self.vms.run)
@@ -463,21 +479,39 @@ def _where(sock: socket.socket) -> str:
     return name if isinstance(name, str) else f"{name[0]}:{name[1]}"
 
 
-def vms_cgroups() -> Any:
-    """The microVMs' cgroup layout (vms/<id> below feosd's cgroup), prepared; None without one."""
+def vms_cgroups(given: str | None = None) -> Any:
+    """The microVMs' cgroup layout (vms/<id> below --vms-cgroup, else below feosd's cgroup),
+    prepared; None without one. With --vms-cgroup, the microVMs a feosd from before it left
+    below its unit's cgroup are handed over first."""
     from .vmm import detect_cgroups, in_container, prepare_cgroups
 
-    if in_container():
+    if given is not None:
+        try:
+            hand_over_vms(given)
+        except (OSError, FeosError) as exc:
+            log.warning("the microVMs below feosd's own cgroup stay there: %s", exc)
+    elif in_container():
         log.info("in a container (a cgroup namespace of its own): feosd moves into feosd/ of the "
                  "container's cgroup, and the microVMs, beside it, end with the container")
     try:
-        layout = detect_cgroups()
+        layout = detect_cgroups(vms_cgroup=given)
         prepare_cgroups(layout)
     except (OSError, FeosError) as exc:
         log.warning("the microVMs get no cgroups of their own: %s", exc)
         return None
     log.info("the microVMs' cgroups: %s", layout)
     return layout
+
+
+def hand_over_vms(given: str) -> list[str]:
+    """Move the microVMs below this process's unit's cgroup into `given` (--vms-cgroup)."""
+    from .vmm import detect_cgroups, hand_over_cgroups, own_cgroup, unit_cgroup
+
+    old = detect_cgroups(vms_cgroup=unit_cgroup(own_cgroup()))
+    moved = hand_over_cgroups(old, detect_cgroups(vms_cgroup=given))
+    if moved:
+        log.info("handed %d microVMs over to %s: %s", len(moved), given, ", ".join(moved))
+    return moved
 
 
 def set_subreaper() -> None:
@@ -517,6 +551,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     if os.getpid() == 1:
         sys.exit("feosd: refusing to run as PID 1 (run it under systemd or feos-host-init)")
+    if args.hand_over_vms:
+        try:
+            hand_over_vms(args.vms_cgroup)
+        except (OSError, FeosError) as exc:
+            sys.exit(f"feosd: --hand-over-vms: {exc}")
+        return
     install_test_hooks(args.run_dir)
     inherited = inherited_listeners(os.environ)  # type: ignore[arg-type]
     # Before any thread starts: the resolver's sockets handed over (systemd, a self-upgrade).

@@ -405,3 +405,104 @@ def remove_dirs(dirs: Iterable[Path]) -> None:
 
 def remove(layout: Layout, vm_id: str) -> None:
     remove_dirs(vm_dirs(layout, vm_id))
+
+
+# -- the hand-over to --vms-cgroup -------------------------------------------------------------
+
+CONTROL_SUBGROUPS = ("feosd", ".control")  # DelegateSubgroup=feosd; systemd's control processes
+
+
+def unit_cgroup(own: str) -> str:
+    """The cgroup of the unit a process runs in (as /proc shows it): feosd's delegated subgroup
+    and the subgroup systemd runs a delegated unit's ExecStopPost= in are below it."""
+    head, _, name = own.rstrip("/").rpartition("/")
+    return (head or "/") if name in CONTROL_SUBGROUPS else own
+
+
+def hand_over_pairs(old: Layout, new: Layout, vm_id: str) -> list[tuple[Path, Path]]:
+    """A microVM's cgroup directories, old and new, hierarchy by hierarchy."""
+    if isinstance(old, V2Layout) and isinstance(new, V2Layout):
+        return [(old.vms / vm_id, new.vms / vm_id)]
+    if isinstance(old, V1Layout) and isinstance(new, V1Layout):
+        return [(old.vms(h) / vm_id, new.vms(h) / vm_id) for h in old.bases if h in new.bases]
+    return []
+
+
+WEIGHT_FILES = ("cpu.weight", "cpu.shares")
+
+
+def _vm_ids(layout: Layout) -> list[str]:
+    vms = layout.vms if isinstance(layout, V2Layout) else layout.vms("cpu")
+    try:
+        return sorted(d.name for d in vms.iterdir() if d.is_dir())
+    except FileNotFoundError:
+        return []
+
+
+def hand_over(old: Layout, new: Layout) -> list[str]:
+    """Move the microVMs below `old` (a feosd from before --vms-cgroup put them below its own
+    cgroup) into `new`, each with its weight; then remove the old vms/ and, on v2, turn the
+    controllers off in the old cgroup, so that systemd may start feosd there again. The memory
+    charged before stays with the old cgroup. Returns the ids moved. Idempotent."""
+    if old == new:
+        return []
+    ids = _vm_ids(old)
+    if not ids:
+        return []
+    prepare(new)
+    try:
+        for vm_id in ids:
+            for src, dest in hand_over_pairs(old, new, vm_id):
+                dest.mkdir(exist_ok=True)
+                for name in WEIGHT_FILES:
+                    if (src / name).exists():
+                        _write(Write(dest / name, (src / name).read_text().strip()))
+                for pid in pids_in(src):
+                    _move(pid, dest)
+                _rmdir_when_empty(src)
+        if isinstance(old, V2Layout):
+            _rmdir_when_empty(old.vms)
+            off = " ".join(f"-{c}" for c in old.controllers)
+            if off and not old.vms.exists():
+                _write(Write(old.base / "cgroup.subtree_control", off))
+        else:
+            for h in old.bases:
+                _rmdir_when_empty(old.vms(h))
+    except OSError as e:
+        raise FeosError(Code.FAILED_PRECONDITION, f"handing the microVMs over: {e}") from e
+    return ids
+
+
+def _rmdir_when_empty(d: Path) -> None:
+    """rmdir, retried a moment: the kernel empties a cgroup shortly after its tasks moved."""
+    import time
+
+    for _ in range(50):
+        try:
+            d.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY:
+                raise
+            time.sleep(0.02)
+    d.rmdir()
+
+
+def own_cgroup(proc: Path = Path("/proc/self")) -> str:
+    """This process's cgroup path (cgroup v2's, else the cpu hierarchy's)."""
+    cgroups = parse_proc_cgroup((proc / "cgroup").read_text())
+    own = cgroups.get("") if _has_v2_controllers(proc) else cgroups.get("cpu")
+    if own is None:
+        raise FeosError(Code.FAILED_PRECONDITION, "no cgroup of this process is known")
+    return own
+
+
+def _has_v2_controllers(proc: Path) -> bool:
+    for m in parse_mountinfo((proc / "mountinfo").read_text()):
+        if m.version == 2:
+            available = set((m.mount_point / "cgroup.controllers").read_text().split())
+            if set(V2_CONTROLLERS) <= available:
+                return True
+    return False

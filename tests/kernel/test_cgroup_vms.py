@@ -145,3 +145,21 @@ def test_detect_on_this_host() -> None:
     assert isinstance(layout, cg.V1Layout)
     own = _cgroup_of(os.getpid())
     assert layout.bases["cpu"] == ROOT / "cpu" / own["cpu"].lstrip("/")
+
+
+def test_v1_hand_over_to_vms_cgroup(v1_parent: cg.V1Layout,
+                                    sleeper: subprocess.Popen[bytes]) -> None:
+    """A feosd from before --vms-cgroup left a microVM below its unit's cgroup: it moves into
+    the one --vms-cgroup names with its weight, and the old vms/ goes (feosd --hand-over-vms)."""
+    unit = cg.V1Layout(bases={h: b / "feosd.service" for h, b in v1_parent.bases.items()})
+    vms = cg.V1Layout(bases={h: b / "feos-vms.service" for h, b in v1_parent.bases.items()})
+    cg.prepare(unit)
+    cg.create(unit, "vm1", 2)
+    cg.add_pid(unit, "vm1", sleeper.pid)
+    assert cg.hand_over(unit, vms) == ["vm1"]
+    seen = _cgroup_of(sleeper.pid)
+    for h, base in v1_parent.bases.items():
+        assert seen[h] == f"/{base.name}/feos-vms.service/vms/vm1"
+        assert not (base / "feosd.service" / "vms").exists()
+    assert (vms.vms("cpu") / "vm1" / "cpu.shares").read_text().strip() == "2048"
+    assert cg.hand_over(unit, vms) == []  # again: nothing left to move

@@ -151,3 +151,26 @@ def test_detect_without_any_cpu_hierarchy(tmp_path: Path) -> None:
     (tmp_path / "mountinfo").write_text("")
     with pytest.raises(FeosError, match="cpu controller"):
         cg.detect(proc=tmp_path)
+
+
+def test_unit_cgroup_strips_feosd_and_control_subgroups() -> None:
+    from feos.vmm import _cgroup as cg
+
+    assert cg.unit_cgroup("/system.slice/feosd.service/feosd") == "/system.slice/feosd.service"
+    assert cg.unit_cgroup("/system.slice/feosd.service/.control") == "/system.slice/feosd.service"
+    assert cg.unit_cgroup("/system.slice/feosd.service") == "/system.slice/feosd.service"
+    assert cg.unit_cgroup("/feosd") == "/"
+
+
+def test_hand_over_pairs_by_hierarchy() -> None:
+    from pathlib import Path
+
+    from feos.vmm import _cgroup as cg
+
+    old = cg.V1Layout(bases={"cpu": Path("/c/u"), "memory": Path("/m/u")})
+    new = cg.V1Layout(bases={"cpu": Path("/c/v")})
+    assert cg.hand_over_pairs(old, new, "a") == [(Path("/c/u/vms/a"), Path("/c/v/vms/a"))]
+    v2 = cg.V2Layout(base=Path("/u"), leaf=None)
+    assert cg.hand_over_pairs(v2, cg.V2Layout(base=Path("/v"), leaf=None), "a") == [
+        (Path("/u/vms/a"), Path("/v/vms/a"))]
+    assert cg.hand_over_pairs(old, v2, "a") == []
