@@ -76,7 +76,12 @@ def test_the_pod_is_what_feosd_needs() -> None:
     assert volumes["versions"]["hostPath"]["path"] == "/usr/lib/feos"
     assert volumes["dev"]["hostPath"]["path"] == "/dev"
     mounts = {m["mountPath"]: m for m in container(spec, "feosd")["volumeMounts"]}
-    assert set(mounts) == {"/var/lib/feos", "/usr/lib/feos", "/dev", "/run/feos"}
+    assert set(mounts) == {"/var/lib/feos", "/usr/lib/feos/firecracker", "/usr/lib/feos/guest",
+                           "/dev", "/run/feos"}
+    # the host's versions, not over the image's /usr/lib/feos (its Python package is there)
+    for kind in ("firecracker", "guest"):
+        assert mounts[f"/usr/lib/feos/{kind}"]["name"] == "versions"
+        assert mounts[f"/usr/lib/feos/{kind}"]["subPath"] == kind
     # diskd's FUSE exports (and ublk devices' files) made in its container reach feosd's
     assert mounts["/var/lib/feos"]["mountPropagation"] == "Bidirectional"
     disk_mounts = {m["mountPath"]: m for m in container(spec, "diskd")["volumeMounts"]}
