@@ -118,6 +118,9 @@ def copy_feos(dest: Path) -> None:
         run(*pip()[:1], str(REPO / "native/build.py"), cwd=REPO)
     shutil.copytree(REPO / "feos", dest / "feos", ignore=shutil.ignore_patterns(
         "__pycache__", "*.pyc", "_native.c", "_native.*.tmp", "*.o"))
+    # the Cap'n Proto schemas, where feos._schema looks first (beside the package's modules)
+    shutil.copytree(REPO / "schema", dest / "feos/schema",
+                    ignore=shutil.ignore_patterns("*.py", "__pycache__"))
 
 
 def launcher(entry: str) -> str:
@@ -243,6 +246,7 @@ def build(dists: list[_plan.Dist], out: Path, version: str, guest_dir: Path,
                 built = [d for d in debs if d.name == name]
                 if shared and built:  # built once: the same for every distribution
                     link_or_copy(built[0], dest / name)
+                if shared and (dest / name).exists():  # its name says its contents
                     debs.append(dest / name)
                     continue
                 log(f"{dist.codename}: {pkg.name} {pkg.version}")

@@ -88,6 +88,7 @@ def publish(repo: Path, home: Path, build_dirs: list[Path]) -> list[str]:
         ["gpg", "--batch", "--export", fpr], env=env, check=True,
         stdout=subprocess.PIPE).stdout)
     (repo / "feos.gpg.tmp").rename(repo / "feos.gpg")
+    subprocess.run(["gpgconf", "--kill", "all"], env=env, check=False)  # gpg's agent it started
     return added
 
 
