@@ -9,14 +9,16 @@ feosd's own error; a disk diskd serves outlives `systemctl restart diskd` and th
 second build; a feosd from before the socket is stopped before the socket takes the address;
 remove stops the units and purge disables them, /var/lib/feos staying.
 
-What the roots cannot do here: run a pod. The container's cgroup v1 hierarchies are read-only
-(systemd-nspawn mounts them so on this hybrid host), and a pod needs an image from a registry
-the container cannot reach (a private network). `systemctl restart feosd` keeping a pod is
-therefore shown by test_restart_keeps_a_pod's skip reason only; bench/restart.py says the same.
+A pod runs in the root: a QEMU microVM under TCG without containers or a network (a
+container's image comes from a registry, which the root, on a private network, cannot reach);
+it outlives `systemctl restart feosd` and the upgrade, taken over by the next feosd. The
+container's cgroup v1 hierarchies are read-only (systemd-nspawn mounts them so on this hybrid
+host): feosd runs the microVMs there without cgroups of their own and says so.
 """
 
 from __future__ import annotations
 
+import calendar
 import json
 import subprocess
 import sys
@@ -35,9 +37,33 @@ OLD, NEW = "0.1.0~dev.1", "0.1.0~dev.2"
 PY = "python3 -I -c 'import sys; sys.path.insert(0, \"/usr/lib/feos/python\"); exec(sys.stdin.read())'"
 
 
-def _build(out: Path, version: str) -> None:
+def _build(out: Path, version: str, guest: Path) -> None:
     subprocess.run([sys.executable, str(REPO / "packaging/deb/build.py"), "--out", str(out),
-                    "--version", version], check=True, stdout=subprocess.DEVNULL)
+                    "--version", version, "--guest-dir", str(guest)], check=True,
+                   stdout=subprocess.DEVNULL)
+
+
+def _guest_image() -> Path:
+    """The work tree's guest version, as hack/guest-image builds or finds it."""
+    out = subprocess.run([str(REPO / "hack/guest-image"), "--keep-all"], check=True, text=True,
+                         stdout=subprocess.PIPE).stdout
+    return Path(out.strip().splitlines()[-1])
+
+
+def _newer_guest(guest: Path, top: Path) -> Path:
+    """The same image as a newer guest version (its own name, built a day later), so that the
+    second build's feos-guest depends on another feos-guest-<version>."""
+    manifest = json.loads((guest / "manifest.json").read_text())
+    newer = top / "guest" / ("f" + manifest["version"][1:])
+    newer.mkdir(parents=True)
+    for f in guest.iterdir():
+        if f.name != "manifest.json":
+            (newer / f.name).hardlink_to(f)
+    built = time.strptime(manifest["built"].replace("+00:00", ""), "%Y-%m-%dT%H:%M:%S")
+    later = time.gmtime(calendar.timegm(built) + 86400)
+    manifest.update(version=newer.name, built=time.strftime("%Y-%m-%dT%H:%M:%S+00:00", later))
+    (newer / "manifest.json").write_text(json.dumps(manifest))
+    return newer
 
 
 def _publish(repo: Path, key: Path, build: Path) -> None:
@@ -49,12 +75,14 @@ def _publish(repo: Path, key: Path, build: Path) -> None:
 def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two builds of the work tree, the second one newer; the first one published."""
     top = tmp_path_factory.mktemp("debs")
+    guest = _guest_image()
+    newer = _newer_guest(guest, top)
     out = {OLD: top / "old", NEW: top / "new"}
-    for version, dest in out.items():
-        _build(dest, version)
+    _build(out[OLD], OLD, guest)
+    _build(out[NEW], NEW, newer)
     repo, key = top / "apt", top / "apt.key"
     _publish(repo, key, out[OLD])
-    return {"repo": repo, "key": key, **out}
+    return {"repo": repo, "key": key, "guest": guest, "newer": newer, **out}
 
 
 @pytest.fixture(scope="module", params=["bookworm", "trixie"])
@@ -126,7 +154,7 @@ def test_install_enables_starts_and_serves(node: Container) -> None:
 
 def test_dns_query_while_stopped_waits_in_the_socket_and_starts_feosd(node: Container) -> None:
     _set_args(node, "--pod-prefix fd12:3456:789a:1::/64")
-    node.sh("systemctl restart feosd.service")
+    node.sh("systemctl reset-failed feosd.service; systemctl restart feosd.service")
     _wait_active(node, "feosd.service")
     try:
         node.sh("systemctl stop feosd.service")
@@ -137,14 +165,37 @@ def test_dns_query_while_stopped_waits_in_the_socket_and_starts_feosd(node: Cont
         assert _active(node, "feosd.service") == "active"
     finally:
         _set_args(node, "")
-        node.sh("systemctl restart feosd.service")
+        node.sh("systemctl reset-failed feosd.service; systemctl restart feosd.service")
+        _wait_active(node, "feosd.service")
+
+
+def test_a_drop_in_moves_the_socket_for_another_dns_address(node: Container) -> None:
+    example = "/usr/share/doc/feosd/examples/feosd.socket.d/address.conf"
+    node.sh(f"mkdir -p /etc/systemd/system/feosd.socket.d && cp {example} "
+            "/etc/systemd/system/feosd.socket.d/")
+    _set_args(node, "--pod-prefix fd12:3456:789a:1::/64 --dns-address 169.254.1.53")
+    # reset-failed: the tests restart feosd more often than systemd's start limit allows
+    reload = ("systemctl daemon-reload && systemctl reset-failed feosd.service feosd.socket; "
+              "systemctl stop feosd.service feosd.socket && "
+              "systemctl start feosd.socket feosd.service")  # a socket refuses a running service
+    try:
+        node.sh(reload)
+        _wait_active(node, "feosd.service")
+        listen = _show(node, "feosd.socket", "Listen")
+        assert "169.254.1.53:53" in listen and "169.254.0.53" not in listen, listen
+        query = DNS_QUERY.replace("169.254.0.53", "169.254.1.53")
+        assert node.sh(PY, input=query, timeout=90).stdout.split()[0] == "4242"
+    finally:
+        node.sh("rm -rf /etc/systemd/system/feosd.socket.d")
+        _set_args(node, "")
+        node.sh(reload)
         _wait_active(node, "feosd.service")
 
 
 def test_a_bad_option_fails_the_unit_with_feosds_own_error(node: Container) -> None:
     _set_args(node, "--no-such-option")
     try:
-        node.sh("systemctl restart feosd.service", check=False)
+        node.sh("systemctl reset-failed feosd.service; systemctl restart feosd.service", check=False)
         deadline = time.monotonic() + 30
         while _active(node, "feosd.service") not in ("failed", "inactive"):
             assert time.monotonic() < deadline, _active(node, "feosd.service")
@@ -184,8 +235,8 @@ def _disk(c: Container, script: str) -> dict[str, object]:
     return json.loads(c.sh(PY, input=script).stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def test_restart_of_diskd_and_an_upgrade_keep_a_served_disk(node: Container,
-                                                            builds: dict[str, Path]) -> None:
+def test_restart_of_diskd_and_an_upgrade_keep_a_served_disk_and_a_pod(
+        node: Container, builds: dict[str, Path], pod: str) -> None:
     disk = _disk(node, START)
     path, pid = disk["path"], disk["dataPathPid"]
     node.sh(f"printf kept-across > {path} && sync")
@@ -198,12 +249,9 @@ def test_restart_of_diskd_and_an_upgrade_keep_a_served_disk(node: Container,
     assert node.sh(f"head -c 11 {path}").stdout == "kept-across"
 
     # the upgrade to the newer build: feosd and diskd restarted, the socket and the disk kept
-    _publish(builds["repo"], builds["key"], builds[NEW])
     socket_since = _show(node, "feosd.socket", "ActiveEnterTimestampMonotonic")
     feosd_pid = _show(node, "feosd.service", "MainPID")
-    node.sh("apt-get update -q && apt-get install -y -q feosd feosctl")
-    version = node.sh("dpkg-query -W -f '${Version}' feosd").stdout
-    assert version.startswith(NEW)
+    assert _upgrade(node, builds)
     _wait_active(node, "feosd.service")
     _wait_active(node, "diskd.service")
     assert _show(node, "feosd.service", "MainPID") != feosd_pid
@@ -212,6 +260,37 @@ def test_restart_of_diskd_and_an_upgrade_keep_a_served_disk(node: Container,
     assert after["state"] == "started" and after["dataPathPid"] == pid
     assert node.sh(f"head -c 11 {path}").stdout == "kept-across"
     assert "feosd" in node.sh("feosctl host info").stdout
+    assert _qemu_pid(node) == pod and _pod_state(node) == "running"
+
+
+
+def _upgrade(c: Container, builds: dict[str, Path]) -> bool:
+    """The newer build published and installed (once: False when it was already)."""
+    if c.sh("dpkg-query -W -f '${Version}' feosd").stdout.startswith(NEW):
+        return False
+    _publish(builds["repo"], builds["key"], builds[NEW])
+    c.sh("apt-get update -q && apt-get install -y -q feosd feosctl")
+    assert c.sh("dpkg-query -W -f '${Version}' feosd").stdout.startswith(NEW)
+    return True
+
+
+def test_an_upgrade_installs_the_new_guest_beside_the_old(node: Container,
+                                                          builds: dict[str, Path]) -> None:
+    """The old guest stays (the pods booted with it use it), autoremove keeps both (50feosd), and
+    the old one, which nothing depends on, would go alone with apt remove (simulated: a pod may
+    still use it)."""
+    _upgrade(node, builds)
+    old_guest, new_guest = (f"feos-guest-{builds[k].name}" for k in ("guest", "newer"))
+    node.sh("apt-get autoremove -y -q")
+    installed = node.sh("dpkg-query -W -f '${Package} ${Status}\\n' 'feos-guest*'").stdout
+    for name in (old_guest, new_guest):
+        assert f"{name} install ok installed" in installed, installed
+    for guest in ("guest", "newer"):
+        node.sh(f"test -f /usr/lib/feos/guest/{builds[guest].name}/vmlinux")
+    removes = [line.split()[1] for line in
+               node.sh(f"apt-get remove -s {old_guest}").stdout.splitlines()
+               if line.startswith("Remv ")]
+    assert removes == [old_guest]
 
 
 def test_an_install_over_a_feosd_from_before_the_socket_stops_it_first(node: Container) -> None:
@@ -225,10 +304,43 @@ def test_an_install_over_a_feosd_from_before_the_socket_stops_it_first(node: Con
     assert node.sh("feosctl host info").returncode == 0
 
 
-def test_restart_keeps_a_pod() -> None:
-    pytest.skip("no pod runs in the nspawn root: its cgroup v1 hierarchies are read-only on "
-                "this hybrid host and the container reaches no registry for a pod's image; "
-                "feosd's take-over across restarts is integration/test_feosd_daemon.py's")
+POD = "pkgtest0001"
+NO_CONTAINERS = '{"containers": [], "network": {"none": null}}'
+
+
+@pytest.fixture(scope="module")
+def pod(node: Container) -> str:
+    """A running pod in the root: a QEMU microVM under TCG, without containers (their images
+    come from a registry, which the root cannot reach) or a network; its QEMU's pid."""
+    if "running" not in node.sh(f"feosctl pod get {POD}", check=False).stdout:
+        node.sh(f"feosctl pod create {POD} -f - --wait", input=NO_CONTAINERS, timeout=300)
+    return _qemu_pid(node)
+
+
+def _qemu_pid(c: Container) -> str:
+    pids = c.sh(f"pgrep -f 'qemu-system-x86_64 .*-name feos-{POD}( |$)'", check=False).stdout
+    assert len(pids.split()) == 1, pids
+    return pids.strip()
+
+
+def _pod_state(c: Container) -> str:
+    table = c.sh(f"feosctl pod get {POD}").stdout.splitlines()
+    return table[1].split()[1]
+
+
+def test_restart_of_feosd_keeps_a_running_pod(node: Container, pod: str) -> None:
+    before = _show(node, "feosd.service", "MainPID")
+    attached = f"guest of {POD} attached"
+    seen = node.journal("feosd").count(attached)
+    node.sh("systemctl reset-failed feosd.service; systemctl restart feosd.service")
+    _wait_active(node, "feosd.service")
+    assert _show(node, "feosd.service", "MainPID") != before
+    assert _qemu_pid(node) == pod  # the same QEMU: the new feosd took it over
+    deadline = time.monotonic() + 60
+    while node.journal("feosd").count(attached) <= seen:  # the new feosd's link to the guest
+        assert time.monotonic() < deadline, node.journal("feosd")[-3000:]
+        time.sleep(0.5)
+    assert _pod_state(node) == "running"
 
 
 def test_remove_stops_and_purge_disables_keeping_the_state(node: Container) -> None:

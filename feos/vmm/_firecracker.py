@@ -445,6 +445,8 @@ class FirecrackerDriver:
         record = await trio.to_thread.run_sync(jail.read)
         await trio.to_thread.run_sync(_jail.undo, jail)
         dirs = [Path(d) for d in record.cgroups] if record else []
+        if self._layout is not None:  # where a hand-over (--vms-cgroup) moved it since
+            dirs += [d for d in _cgroup.vm_dirs(self._layout, vm.id) if d not in dirs]
         for _ in range(50):  # the kernel empties a cgroup a moment after its last task's exit
             try:
                 await trio.to_thread.run_sync(_cgroup.remove_dirs, dirs)

@@ -278,8 +278,11 @@ class MicroVms:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                for record in await trio.to_thread.run_sync(self._records.all):
-                    await self._take_over(record)
+                # every microVM's VMM asked at once, not one after another: feosd serves
+                # only after them, so a restart with pods is not longer by a round trip a pod
+                async with trio.open_nursery() as adopting:
+                    for record in await trio.to_thread.run_sync(self._records.all):
+                        adopting.start_soon(self._take_over, record)
                 task_status.started(self)
                 await trio.sleep_forever()
         finally:

@@ -116,8 +116,11 @@ def packages(version: str, dist: Dist, *, guest: str, firecracker: str,
                 "the feos node agent: pods as microVMs\n"
                 " feosd runs pods as microVMs (Firecracker, or QEMU where that is what the\n"
                 " machine can run), with feosd.socket holding the pods' resolver.",
-                depends=[f"feos-python {same}", f"diskd {same}", "feos-firecracker",
-                         "feos-guest", "qemu-system-x86", "iproute2", "libnftables1",
+                # at least the guest and Firecracker it was built with: an upgrade of feosd
+                # brings them (apt-get install feosd alone would not upgrade an unversioned one)
+                depends=[f"feos-python {same}", f"diskd {same}",
+                         f"feos-firecracker (>= {fc_version})", f"feos-guest (>= {guest_build})",
+                         "qemu-system-x86", "iproute2", "libnftables1",
                          "init-system-helpers (>= 1.54~)", "systemd"],
                 recommends=[f"feosctl {same}"],
                 conffiles=["/etc/default/feosd", "/etc/apt/apt.conf.d/50feosd"]),

@@ -46,6 +46,8 @@ FILES = {  # package -> (file in files/, path in the package, mode)
         ("feosd.sysusers", "usr/lib/sysusers.d/feosd.conf", 0o644),
         ("feosd.default", "etc/default/feosd", 0o644),
         ("50feosd", "etc/apt/apt.conf.d/50feosd", 0o644),
+        ("feosd.socket-address.conf", "usr/share/doc/feosd/examples/feosd.socket.d/address.conf",
+         0o644),
     ],
     "diskd": [
         ("diskd.service", "usr/lib/systemd/system/diskd.service", 0o644),

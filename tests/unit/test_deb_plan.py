@@ -43,8 +43,8 @@ def test_packages_depend_as_the_spec_says() -> None:
     assert set(pkgs) == {"feos-python", "feosd", "feosctl", "diskd", "feos-firecracker-v1.12.1",
                          "feos-firecracker", "feos-guest-c50ac632ed49", "feos-guest"}
     feosd = pkgs["feosd"].depends
-    assert "diskd (= 0.1.0+deb13)" in feosd and "feos-firecracker" in feosd
-    assert "feos-guest" in feosd
+    assert "diskd (= 0.1.0+deb13)" in feosd and "feos-firecracker (>= 1.12.1)" in feosd
+    assert "feos-guest (>= 20261202022218)" in feosd
     assert pkgs["feos-guest"].depends == ["feos-guest-c50ac632ed49 (= 20261202022218)"]
     assert pkgs["feos-firecracker"].depends == ["feos-firecracker-v1.12.1 (= 1.12.1)"]
     assert pkgs["feos-python"].depends[:2] == ["python3 (>= 3.13)", "python3 (<< 3.14)"]

@@ -174,3 +174,18 @@ def test_hand_over_pairs_by_hierarchy() -> None:
     assert cg.hand_over_pairs(v2, cg.V2Layout(base=Path("/v"), leaf=None), "a") == [
         (Path("/u/vms/a"), Path("/v/vms/a"))]
     assert cg.hand_over_pairs(old, v2, "a") == []
+
+
+def test_vms_cgroup_options_are_checked(capsys) -> None:  # type: ignore[no-untyped-def]
+    import pytest
+
+    from feos.daemon import parse_args
+
+    args = parse_args(["--vms-cgroup", "/system.slice/feos-vms.service", "--hand-over-vms"])
+    assert args.vms_cgroup == "/system.slice/feos-vms.service" and args.hand_over_vms
+    with pytest.raises(SystemExit):
+        parse_args(["--hand-over-vms"])
+    assert "--hand-over-vms: needs --vms-cgroup" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--vms-cgroup", "system.slice"])
+    assert "--vms-cgroup: must be a cgroup path starting with /" in capsys.readouterr().err
