@@ -592,13 +592,16 @@ def vms_cgroups(given: str | None = None) -> Any:
     """The microVMs' cgroup layout (vms/<id> below --vms-cgroup, else below feosd's cgroup),
     prepared; None without one. With --vms-cgroup, the microVMs a feosd from before it left
     below its unit's cgroup are handed over first."""
-    from .vmm import detect_cgroups, prepare_cgroups
+    from .vmm import detect_cgroups, in_container, prepare_cgroups
 
     if given is not None:
         try:
             hand_over_vms(given)
         except (OSError, FeosError) as exc:
             log.warning("the microVMs below feosd's own cgroup stay there: %s", exc)
+    elif in_container():
+        log.info("in a container (a cgroup namespace of its own): feosd moves into feosd/ of the "
+                 "container's cgroup, and the microVMs, beside it, end with the container")
     try:
         layout = detect_cgroups(vms_cgroup=given)
         prepare_cgroups(layout)

@@ -175,6 +175,11 @@ class Owner:
         self._add(pid, lambda: kill_and_wait(pid))
         return pid
 
+    def undo(self, what: object, undo: Callable[[], None]) -> object:
+        """Anything else a harness made (a podman pod, a mount): `undo` at the close."""
+        self._add(what, undo)
+        return what
+
     def forget(self, what: object) -> None:
         """A harness ended it itself: nothing left to undo."""
         with self._lock:

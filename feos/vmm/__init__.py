@@ -45,6 +45,7 @@ from ._service import newest_guest as newest_guest
 # Offered under names that say what they are at the package's level:
 detect_cgroups = _cgroup.detect  # the microVMs' cgroup layout below feosd's
 prepare_cgroups = _cgroup.prepare
+in_container = _cgroup.own_cgroup_namespace  # a cgroup namespace of its own: On Kubernetes
 hand_over_cgroups = _cgroup.hand_over  # a feosd's microVMs from below its unit to --vms-cgroup
 unit_cgroup = _cgroup.unit_cgroup
 own_cgroup = _cgroup.own_cgroup

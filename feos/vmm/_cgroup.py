@@ -10,8 +10,14 @@ Two layouts, one interface (node.md, "Jail, user and cgroup"):
   per vCPU.
 - cgroup v1 (hybrid hosts such as the ones this is built on): the cpu, memory and pids
   hierarchies each get vms/<id> below feosd's cgroup in that hierarchy. v1 has no rule against
-  processes beside children, so feosd stays where it is. cpu.shares is the weight: v2's default
-  weight 100 is v1's default 1024 shares, so a vCPU is 1024 shares.
+  processes beside children, so feosd stays where it is, but in a container. cpu.shares is the
+  weight: v2's default weight 100 is v1's default 1024 shares, so a vCPU is 1024 shares.
+
+In a container (a cgroup namespace of its own, as a Kubernetes pod's container has: node.md, "On
+Kubernetes") the cgroup feosd is given is the container's, which /proc shows as /: on either
+version feosd moves into feosd/ of it and the microVMs go into vms/<id> beside it, so that they
+end with the container. The kernel's first cgroup namespace has a fixed inode number, which
+tells feosd where it runs.
 
 Everything here is a short blocking file operation on cgroupfs; the async callers run it with
 trio.to_thread.run_sync. Which files to write is decided by pure functions (the plans below),
@@ -114,6 +120,22 @@ def _below(mount: CgroupMount, path: str) -> Path:
     return mount.mount_point / rel if rel not in ("", ".") else mount.mount_point
 
 
+# -- where feosd runs ---------------------------------------------------------------------------
+
+# The inode number of the kernel's initial cgroup namespace (PROC_CGROUP_INIT_INO): fixed, so a
+# process in any other namespace sees another number in /proc/self/ns/cgroup.
+INITIAL_CGROUP_NAMESPACE = 0xEFFFFFFB
+
+
+def own_cgroup_namespace(proc: Path = Path("/proc/self")) -> bool:
+    """Whether the process runs in a cgroup namespace of its own (a container): False where
+    the kernel has none (no ns/cgroup), as on a kernel without cgroup namespaces."""
+    try:
+        return os.stat(proc / "ns" / "cgroup").st_ino != INITIAL_CGROUP_NAMESPACE
+    except FileNotFoundError:
+        return False
+
+
 # -- the layouts -------------------------------------------------------------------------------
 
 
@@ -132,9 +154,11 @@ class V2Layout:
 
 @attrs.frozen
 class V1Layout:
-    """cgroup v1: the cgroup that vms/ goes below in each hierarchy there is."""
+    """cgroup v1: the cgroup that vms/ goes below in each hierarchy there is, and where feosd
+    moves in each (none: it stays)."""
 
     bases: Mapping[str, Path]
+    leaves: Mapping[str, Path] = attrs.field(factory=dict)
 
     def vms(self, hierarchy: str) -> Path:
         return self.bases[hierarchy] / "vms"
@@ -150,24 +174,53 @@ def is_real_root(cgroup_dir: Path) -> bool:
 
 
 def v2_layout_for(own: Path, *, given: Path | None = None,
-                  controllers: tuple[str, ...] = V2_CONTROLLERS) -> V2Layout:
+                  controllers: tuple[str, ...] = V2_CONTROLLERS,
+                  container: bool = False) -> V2Layout:
     """The v2 layout for a feosd whose cgroup is `own`.
 
     `given` (--vms-cgroup) holds no process, so feosd stays where it is. Otherwise the
     microVMs go beside feosd: feosd moves into the leaf feosd/ of its cgroup, or is there
-    already (a restart), or stays in the real root."""
+    already (a restart, a self-upgrade), or stays in the real root, which a container's cgroup
+    never is."""
     if given is not None:
         return V2Layout(base=given, leaf=None, controllers=controllers)
-    if own.name == "feosd" and not is_real_root(own):
+    real_root = not container and is_real_root(own)
+    if own.name == "feosd" and not real_root:
         return V2Layout(base=own.parent, leaf=None, controllers=controllers)
-    if is_real_root(own):
+    if real_root:
         return V2Layout(base=own, leaf=None, controllers=controllers)
     return V2Layout(base=own, leaf=own / "feosd", controllers=controllers)
 
 
-def detect(*, proc: Path = Path("/proc/self"), vms_cgroup: str | None = None) -> Layout:
+def v1_layout_for(own: Mapping[str, Path], *, given: Mapping[str, Path] | None = None,
+                  container: bool = False) -> V1Layout:
+    """The v1 layout for a feosd whose cgroup in each hierarchy is `own`.
+
+    Outside a container feosd stays where it is and vms/ goes below its cgroup (or below
+    `given`, --vms-cgroup's). In a container it moves into feosd/ of the container's cgroup,
+    as on v2, or is there already."""
+    if given is not None:
+        return V1Layout(bases=dict(given))
+    if not container:
+        return V1Layout(bases=dict(own))
+    bases, leaves = {}, {}
+    for name, path in own.items():
+        if path.name == "feosd":
+            bases[name] = path.parent
+        else:
+            bases[name], leaves[name] = path, path / "feosd"
+    return V1Layout(bases=bases, leaves=leaves)
+
+
+def detect(*, proc: Path = Path("/proc/self"), vms_cgroup: str | None = None,
+           container: bool | None = None) -> Layout:
     """Which layout serves this host: v2 where the unified hierarchy has cpu and memory, else
-    v1 with the hierarchies of cpu, memory and pids that are mounted (cpu at least)."""
+    v1 with the hierarchies of cpu, memory and pids that are mounted (cpu at least).
+
+    `container` (default: whether `proc` has a cgroup namespace of its own) puts feosd into
+    feosd/ of the container's cgroup and the microVMs beside it."""
+    if container is None:
+        container = own_cgroup_namespace(proc)
     cgroups = parse_proc_cgroup((proc / "cgroup").read_text())
     mounts = parse_mountinfo((proc / "mountinfo").read_text())
     for m in mounts:
@@ -175,17 +228,19 @@ def detect(*, proc: Path = Path("/proc/self"), vms_cgroup: str | None = None) ->
             available = set((m.mount_point / "cgroup.controllers").read_text().split())
             if set(V2_CONTROLLERS) <= available:
                 given = _below(m, vms_cgroup) if vms_cgroup else None
-                return v2_layout_for(_below(m, cgroups[""]), given=given)
-    bases = {}
+                return v2_layout_for(_below(m, cgroups[""]), given=given, container=container)
+    own, named = {}, {}
     for name in V1_HIERARCHIES:
         mount = next((m for m in mounts if m.version == 1 and name in m.controllers), None)
         if mount is not None and name in cgroups:
-            bases[name] = _below(mount, vms_cgroup or cgroups[name])
-    if "cpu" not in bases:
+            own[name] = _below(mount, cgroups[name])
+            if vms_cgroup:
+                named[name] = _below(mount, vms_cgroup)
+    if "cpu" not in own:
         raise FeosError(Code.FAILED_PRECONDITION,
                         "no cgroup hierarchy with the cpu controller: neither v2 with cpu and "
                         "memory nor a v1 cpu hierarchy is mounted")
-    return V1Layout(bases=bases)
+    return v1_layout_for(own, given=named if vms_cgroup else None, container=container)
 
 
 # -- plans: the files to write, in order -------------------------------------------------------
@@ -202,7 +257,7 @@ class Write:
 def prepare_plan(layout: Layout) -> tuple[list[Path], list[Write]]:
     """The directories to make and the files to write once, before the first microVM."""
     if isinstance(layout, V1Layout):
-        return [layout.vms(h) for h in layout.bases], []
+        return [*layout.leaves.values(), *(layout.vms(h) for h in layout.bases)], []
     enable = " ".join(f"+{c}" for c in layout.controllers)
     dirs = [layout.vms] if layout.leaf is None else [layout.leaf, layout.vms]
     if not enable:
@@ -277,20 +332,29 @@ def _move(pid: int, cgroup_dir: Path) -> None:
             raise
 
 
+def moves(layout: Layout) -> list[tuple[Path, Path]]:
+    """Where feosd's processes move before the controllers are enabled: (from, to) by cgroup,
+    one a hierarchy on v1, none when feosd stays."""
+    if isinstance(layout, V1Layout):
+        return [(layout.bases[h], leaf) for h, leaf in layout.leaves.items()]
+    return [] if layout.leaf is None else [(layout.base, layout.leaf)]
+
+
 def prepare(layout: Layout, *, own_pids: Iterable[int] | None = None) -> None:
-    """Make vms/ and, on v2, move feosd's processes into the leaf and enable the controllers.
+    """Make vms/ and the leaf, move feosd's processes into the leaf, and on v2 enable the
+    controllers.
 
     `own_pids` defaults to every process in the base cgroup: all of them are feosd's (the task
-    service too), and the kernel enables no controller for children while one stays there.
-    Idempotent: a restart of feosd does it again over what is there."""
+    service too; in a container every process of the container's), and the kernel enables no
+    controller for children while one stays there. Idempotent: a restart of feosd does it again
+    over what is there."""
     dirs, writes = prepare_plan(layout)
     try:
         for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
-        if isinstance(layout, V2Layout) and layout.leaf is not None:
-            pids = pids_in(layout.base) if own_pids is None else own_pids
-            for pid in pids:
-                _move(pid, layout.leaf)
+        for base, leaf in moves(layout):
+            for pid in pids_in(base) if own_pids is None else own_pids:
+                _move(pid, leaf)
         for w in writes:
             _write(w)
     except OSError as e:

@@ -129,7 +129,11 @@ def tiny_guest() -> str:
 def _run_tiny_guest() -> str | None:
     """The tiny guest in a child process (a KVM_RUN that never returns cannot hang feosd);
     None if it ran as it should, else what went wrong."""
-    code = "from feos.vmm._kvm import tiny_guest; print(tiny_guest())"
+    # the child finds feos where this process did: the packages' programs put their own
+    # directory (/usr/lib/feos/python) on sys.path, which a plain interpreter does not have
+    where = str(Path(__file__).resolve().parents[2])
+    code = (f"import sys; sys.path.insert(0, {where!r}); "
+            "from feos.vmm._kvm import tiny_guest; print(tiny_guest())")
     try:
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               timeout=TINY_TIMEOUT_S)
