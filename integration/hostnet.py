@@ -47,10 +47,10 @@ class Servers:
         sh(self.netns, "sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")
 
     def _start(self, name: str, argv: list[str]) -> None:
-        log = (self.dir / f"{name}.log").open("wb")
         env = {"KEA_LOCKFILE_DIR": str(self.dir), "KEA_PIDFILE_DIR": str(self.dir),
                "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
-        self.procs[name] = OWNER.popen(ns(self.netns, *argv), stdout=log, stderr=log, env=env)
+        with (self.dir / f"{name}.log").open("wb") as log:
+            self.procs[name] = OWNER.popen(ns(self.netns, *argv), stdout=log, stderr=log, env=env)
 
     def stop(self, name: str) -> None:
         proc = self.procs.pop(name, None)
