@@ -133,7 +133,8 @@ class Supervisor:
             os.kill(p.pid, signal.SIGTERM)
 
     async def stop(self, grace: float) -> None:
-        """SIGTERM to ours, up to `grace` for them to end, then SIGKILL to every process left."""
+        """SIGTERM to ours, up to `grace` for them to end, then, as PID 1 only, SIGTERM and
+        SIGKILL to every process left (the pods' VMMs)."""
         self._stopping = True
         for p in self._programs.values():
             if p.pid is not None:
@@ -143,10 +144,15 @@ class Supervisor:
             if p.pid is not None:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.ended[p.name].wait(), deadline - self._loop.time())
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.kill(-1, sig)
-            except ProcessLookupError:
-                break
-            await asyncio.sleep(0.5)
+        if os.getpid() == 1:  # kill(-1) outside PID 1's namespace would signal the whole machine
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.kill(-1, sig)
+                except ProcessLookupError:
+                    break
+                await asyncio.sleep(0.5)
+        else:
+            for p in self._programs.values():
+                if p.pid is not None:
+                    os.kill(p.pid, signal.SIGKILL)
         self.reap()

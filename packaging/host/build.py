@@ -163,7 +163,21 @@ def base_root(work: Path, tree: Path, kroot: Path, kver: str) -> Path:
     gbuild.compileall(tmp, "-f", "/usr/lib/python3.11", "/usr/lib/python3")
     (tmp / ".done").touch()
     tmp.rename(base)
+    for old in work.glob("hostbase-*"):  # each is 400 MB: only the one this script makes stays
+        if old != base:
+            shutil.rmtree(old, ignore_errors=True)
     return base
+
+
+def prune(out: Path, keep: int = 3) -> None:
+    """The newest `keep` images stay, and any a process holds open (a QEMU booting it)."""
+    images = sorted((d for d in out.iterdir() if (d / "manifest.json").exists()),
+                    key=lambda d: d.stat().st_mtime, reverse=True)
+    held = {p.parent for p in gbuild._open_files()}
+    for d in images[keep:]:
+        if d not in held:
+            shutil.rmtree(d, ignore_errors=True)
+            log(f"pruned node image {d.name}")
 
 
 def compress_modules(tree: Path) -> None:
@@ -201,12 +215,14 @@ def add_feos(root: Path) -> None:
     # The bench's other init: feosd's main module imported, a marker, a power-off.
     marker = root / "usr/sbin/feos-import-marker"
     marker.write_text(
-        "#!/usr/bin/python3 -E\nimport os, sys\n"
+        "#!/usr/bin/python3 -E\nimport ctypes, sys\n"
         f"sys.path.insert(0, '/{PYLIB}')\n"
-        "os.makedirs('/proc', exist_ok=True)\n"
+        "libc = ctypes.CDLL('libc.so.6')\n"
+        "for fs, at in ((b'proc', b'/proc'), (b'sysfs', b'/sys'), (b'devtmpfs', b'/dev')):\n"
+        "    libc.mount(fs, at, fs, 0, None)\n"
         "import feos.daemon\n"
         f"print('{IMPORT_MARKER}', flush=True)\n"
-        "import ctypes\nctypes.CDLL('libc.so.6').reboot(0x4321FEDC)\n"
+        "libc.reboot(0x4321FEDC)\n"
     )
     marker.chmod(0o755)
 
@@ -303,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (dest / "manifest.json").exists() or args.force:
             log(f"building node image {version}")
             build(args.work, inputs, version, args.out, guest)
+            prune(args.out)
     print(dest)
     return 0
 
