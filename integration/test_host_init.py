@@ -157,6 +157,6 @@ def test_shutdown_powers_off(node: NodeVM) -> None:
 
 @pytest.mark.skip(reason="a pod inside the node is QEMU under QEMU, both TCG (the machine has no "
                   "hardware KVM, environment.md): the guest's 4 s boot takes tens of minutes "
-                  "nested, beyond the suite's 30 minutes; the image carries qemu-system-x86 for it")
+                  "nested, beyond the suite's 30 minutes (the image carries no qemu-system-x86 for it)")
 def test_pod_with_network_inside_the_node() -> None:
     raise AssertionError("skipped")

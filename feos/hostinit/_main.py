@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 from feos.errors import FeosError
@@ -46,24 +47,46 @@ FEOSD = ["/usr/sbin/feosd", "--self-upgrade", "--tcp", "[::]:1337"]
 def main() -> None:
     if os.getpid() != 1:
         sys.exit("feos-host-init: runs as PID 1 only (the node's init)")
+    os.environ.setdefault("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")  # the kernel gives init none
+    try:
+        setup = _setup()
+    except Exception:  # PID 1 must not end: the kernel would panic; the node says why and waits
+        log.exception("feos-host-init: the machine's setup failed")
+        setup = None
+    while True:
+        try:
+            if setup is not None:
+                asyncio.run(Node(*setup).run())
+        except Exception:
+            log.exception("feos-host-init: its loop failed; starting it again in 1 s")
+        time.sleep(1.0)
+
+
+def _setup() -> tuple[str, list[socket.socket]]:
     moved = _system.move_root_off_initramfs()
     _system.mount_filesystems()
     _system.log_to_kmsg()
     log.info(
         "the root %s", "moved off the initramfs" if moved else "was a mount of its own already"
     )
-    _system.reboot(_system.RB_DISABLE_CAD)  # Ctrl-Alt-Del is a SIGINT to us from now on
+    try:
+        _system.reboot(_system.RB_DISABLE_CAD)  # Ctrl-Alt-Del is a SIGINT to us from now on
+    except OSError as exc:  # a PID namespace's init (the sandbox) may not
+        log.warning("Ctrl-Alt-Del stays the kernel's: %s", exc)
     _system.write("/proc/sys/kernel/hostname", HOSTNAME)
     try:
         dns = list(bind_resolver_sockets())
     except OSError as exc:
         log.error("the pods' resolver's sockets cannot be bound: %s (feosd binds its own)", exc)
         dns = []
-    modules = _system.load_modules()
+    try:
+        modules = _system.load_modules()
+    except OSError as exc:
+        log.error("modules: %s", exc)
+        modules = []
     log.info("modules loaded: %s", " ".join(modules) or "none")
     log.info("cgroup2 at /sys/fs/cgroup, controllers: %s", _system.cgroup_controllers())
-    cmdline = Path("/proc/cmdline").read_text()
-    asyncio.run(Node(cmdline, dns).run())
+    return Path("/proc/cmdline").read_text(), dns
 
 
 def _ignored(sig: int) -> None:

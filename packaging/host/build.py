@@ -46,17 +46,18 @@ _spec.loader.exec_module(gbuild)
 
 ROOT_PACKAGES = [
     "python3", "kmod", "iproute2", "nftables", "conntrack", "e2fsprogs", "qemu-utils",
-    "qemu-system-common", "qemu-system-x86", "crun", "util-linux", "procps", "fuse3", "zstd",
+    "qemu-system-common", "crun", "util-linux", "procps", "fuse3", "zstd",
     "erofs-utils", "busybox-static", "ca-certificates",
 ]  # fmt: skip
 # The Python packages feos runs with (pyproject's dependencies), closed over their requirements,
-# but for those the node never imports: hypothesis (tests), boto3's family (diskd runs without an
-# object store here).
+# but for hypothesis (tests only). boto3's family stays: diskd imports it at its start even
+# without an object store.
 PY_REQUIREMENTS = [
     "trio", "pycapnp", "pyroute2", "cffi", "h2", "attrs", "cattrs", "pip-nftables", "pyyaml",
     "h11", "hypercorn", "cryptography", "ntplib", "trustme",
 ]  # fmt: skip
-PY_SKIP = {"hypothesis", "boto3", "botocore", "s3transfer", "jmespath"}
+PY_REQUIREMENTS.append("boto3")
+PY_SKIP = {"hypothesis"}
 TRIM = ["usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale",
         "var/cache/apt", "var/lib/apt/lists", "usr/share/qemu/edk2-arm-code.fd",
         "usr/share/qemu/edk2-arm-vars.fd", "usr/share/qemu/edk2-aarch64-code.fd"]  # fmt: skip
@@ -188,6 +189,15 @@ def compress_modules(tree: Path) -> None:
         run("zstd", "-q", "-T0", "-9", "--rm", *kos[i : i + 500])
 
 
+# botocore's service models: diskd's object store speaks S3 alone (25 MB of 28 are the others)
+BOTOCORE_DATA_KEEP = {"s3", "sts"}
+
+
+def _unneeded(parts: tuple[str, ...]) -> bool:
+    return (len(parts) > 3 and parts[:2] == ("botocore", "data")
+            and parts[2] not in BOTOCORE_DATA_KEEP)
+
+
 def add_feos(root: Path) -> None:
     lib = root / PYLIB
     for src in feos_sources():
@@ -199,7 +209,7 @@ def add_feos(root: Path) -> None:
             src = Path(str(dist.locate_file(f)))
             if ".." in f.parts or (f.parts[0].endswith(".dist-info") and f.name != "METADATA"):
                 continue
-            if "__pycache__" in f.parts or not src.is_file():
+            if "__pycache__" in f.parts or not src.is_file() or _unneeded(f.parts):
                 continue
             dst = lib / f
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -244,6 +254,9 @@ def finish_root(root: Path) -> None:
     resolv.write_text("# the initramfs's resolvers, until DHCP names any\n"
                       "nameserver 2001:4860:4860::8888\nnameserver 8.8.8.8\n"
                       "nameserver 2606:4700:4700::1111\nnameserver 1.1.1.1\n")
+    # feos and its packages for every python3 of the node, as the launchers' children run it
+    # (feosd's probes run `python3 -m feos...`)
+    (root / "usr/lib/python3/dist-packages/feos.pth").write_text(f"/{PYLIB}\n")
     for d in ("proc", "sys", "dev", "run", "tmp", "var/lib/feos"):
         (root / d).mkdir(parents=True, exist_ok=True)
     gbuild.compileall(root, f"/{PYLIB}")
