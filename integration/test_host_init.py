@@ -76,12 +76,14 @@ def test_addresses_prefix_resolvers_and_time(node: NodeVM) -> None:
     assert ipaddress.IPv6Network(prefix).subnet_of(ipaddress.IPv6Network(f"{PD_POOL[0]}/{PD_POOL[1]}"))
     node.wait_console(rf"started feosd \(pid \d+\): .*--tcp \[::\]:1337 --pod-prefix {re.escape(prefix)}", 10)
     node.wait_console(rf"resolv.conf: {re.escape(ROUTER6)} {re.escape(ROUTER4)}", 60)
-    node.wait_console(rf"NTP: the clock set by {re.escape(ROUTER6)} \(IPv6\)", 120)
+    # DHCPv6's server first, DHCPv4's where IPv6 has no route yet (the kernel tier checks the
+    # order); QEMU's RTC starts in 2020, so the step is years.
+    ntp = node.wait_console(rf"NTP: the clock set by ({re.escape(ROUTER6)} \(IPv6\)|"
+                            rf"{re.escape(ROUTER4)} \(IPv4\)), offset \+(\d+)\.\d+ s", 180)
+    assert int(ntp.group(2)) > 5 * 365 * 86400
     for address in (v4, v6):  # feosd over TCP from the host's side, by either family
         got = info(answered(node, address))
         assert got["selfUpgrade"] is True
-    started = int(info(answered(node, v4))["startedUnixNs"]) / 1e9  # type: ignore[call-overload]
-    assert abs(started - time.time()) < 600, "the node's clock was not set by NTP (QEMU's RTC starts in 2020)"
 
 
 def test_machine_setup_on_the_console(node: NodeVM) -> None:
@@ -133,11 +135,17 @@ def test_killed_feosd_started_again_within_two_seconds(node: NodeVM, tmp_path: P
     assert after["pid"] == int(started.group(2)) != before["pid"]
 
 
+def power(vm: NodeVM, address: str, verb: str) -> None:
+    """feosctl host reboot|shutdown: its answer may not get out before feosd is stopped."""
+    vm.ns("env", f"PYTHONPATH={REPO}", str(REPO / ".venv/bin/python"), "-c",
+          "from feos.cli import main; main()", "--socket", f"{address}:1337", "host", verb)
+
+
 def test_reboot_by_sigrtmin5(node: NodeVM) -> None:
     v4 = lease(node, 4)
     before = info(answered(node, v4))
     mark = len(node.console())
-    feosctl(node, v4, "host", "reboot")
+    power(node, v4, "reboot")
     node.wait_console(r"SIGRTMIN\+5: rebooting", 60, mark)
     again = node.wait_console(r"Linux version", BOOT_S, mark).end()
     node.wait_console(r"started feosd \(pid \d+\)", BOOT_S, again)
@@ -150,7 +158,7 @@ def test_shutdown_powers_off(node: NodeVM) -> None:
     v4 = lease(node, 4, node.console().rfind("Linux version"))
     answered(node, v4)
     mark = len(node.console())
-    feosctl(node, v4, "host", "shutdown")
+    power(node, v4, "shutdown")
     node.wait_console(r"SIGRTMIN\+4: powering off", 60, mark)
     assert node.wait_exit(120) == 0
 
