@@ -5,7 +5,6 @@ and feosd is reachable as soon as the node has an address and feosd runs."""
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -15,15 +14,7 @@ from hostnet import ROUTER4, Servers, sh
 from nodevm import NodeVM, node_image
 from test_host_init import BOOT_S, answered, lease
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(
-        os.environ.get("FEOS_HOSTINIT_FAULTS") != "1",
-        reason="not yet seen passing (written at the session's end, the VM lock taken by others); "
-        "its checks read host-init's console lines, which can go missing (docs/host-init.md): "
-        "run with FEOS_HOSTINIT_FAULTS=1",
-    ),
-]
+pytestmark = [pytest.mark.integration]
 
 BAD_PREFIX = "10.0.0.0/8"
 
