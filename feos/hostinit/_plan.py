@@ -1,0 +1,148 @@
+"""feos-host-init's pure decisions: the command line's pod prefix, resolv.conf, the order of the
+NTP servers, a DHCPv4 lease's routes and a DHCPv6 lease's timers.
+
+Nothing here does I/O: the loops in _main, _dhcp4, _dhcp6 and _ntp feed these what they learned
+and do what these say (tests/unit/test_hostinit_plan.py).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from feos.errors import Code, FeosError
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+POD_PREFIX_KEY = "feos.pod-prefix"
+# The initramfs's resolvers (Google's and Cloudflare's), until DHCP names any.
+INITRAMFS_RESOLVERS: tuple[IPAddress, ...] = (
+    ipaddress.ip_address("2001:4860:4860::8888"),
+    ipaddress.ip_address("8.8.8.8"),
+    ipaddress.ip_address("2606:4700:4700::1111"),
+    ipaddress.ip_address("1.1.1.1"),
+)
+NTP_POOL = "pool.ntp.org"
+NTP_WAIT_S = 5.0
+DHCP6_WAIT_S = 30.0
+
+
+def parse_pod_prefix(text: str) -> ipaddress.IPv6Network:
+    """A pod prefix as feosd takes it (--pod-prefix: IPv6, /1 to /120), or INVALID_ARGUMENT."""
+    try:
+        net = ipaddress.IPv6Network(text, strict=True)
+    except ValueError as exc:
+        raise FeosError(Code.INVALID_ARGUMENT, f"{POD_PREFIX_KEY}={text}: {exc}") from exc
+    if not 1 <= net.prefixlen <= 120:
+        why = f"{POD_PREFIX_KEY}={text}: the length must be 1 to 120, not {net.prefixlen}"
+        raise FeosError(Code.INVALID_ARGUMENT, why)
+    return net
+
+
+def cmdline_pod_prefix(cmdline: str) -> ipaddress.IPv6Network | None:
+    """The pod prefix the kernel's command line names, None if none (the last one counts).
+
+    A bad one raises INVALID_ARGUMENT; the caller logs it and goes on as if there were none.
+    """
+    value = None
+    for word in cmdline.split():
+        key, _, rest = word.partition("=")
+        if key == POD_PREFIX_KEY:
+            value = rest
+    return None if value is None else parse_pod_prefix(value)
+
+
+def resolvers_in_turn(
+    v6: Sequence[ipaddress.IPv6Address], v4: Sequence[ipaddress.IPv4Address]
+) -> list[IPAddress]:
+    """Both families' resolvers in turn, IPv6 first, each once: glibc reads only three, so a
+    node with one family broken still has the other's within them."""
+    out: list[IPAddress] = []
+    for i in range(max(len(v6), len(v4))):
+        for family in (v6, v4):
+            if i < len(family) and family[i] not in out:
+                out.append(family[i])
+    return out
+
+
+def resolv_conf(v6: Sequence[ipaddress.IPv6Address], v4: Sequence[ipaddress.IPv4Address]) -> str:
+    """/etc/resolv.conf: DHCP's resolvers in turn, or the initramfs's while DHCP named none."""
+    servers = resolvers_in_turn(v6, v4) or list(INITRAMFS_RESOLVERS)
+    by = "DHCP" if v6 or v4 else "the initramfs (no DHCP server named any yet)"
+    lines = [f"# written by feos-host-init: the resolvers of {by}"]
+    lines += [f"nameserver {s}" for s in servers]
+    return "\n".join(lines) + "\n"
+
+
+@attrs.frozen
+class NtpServer:
+    """One server to ask: a name or an address, and the family to reach it by (4 or 6)."""
+
+    host: str
+    family: int
+
+
+def ntp_order(
+    dhcp6: Iterable[IPAddress | str], dhcp4: Iterable[ipaddress.IPv4Address]
+) -> list[NtpServer]:
+    """DHCPv6's servers, then DHCPv4's, then pool.ntp.org by IPv6, else by IPv4."""
+    out: list[NtpServer] = []
+    for s in dhcp6:
+        fam = 4 if isinstance(s, ipaddress.IPv4Address) else 6
+        out.append(NtpServer(str(s), fam))
+    out += [NtpServer(str(s), 4) for s in dhcp4]
+    out += [NtpServer(NTP_POOL, 6), NtpServer(NTP_POOL, 4)]
+    return out
+
+
+@attrs.frozen
+class Route4:
+    """A route to add for a lease: dst None is the default route."""
+
+    dst: ipaddress.IPv4Network | None
+    gateway: ipaddress.IPv4Address | None
+
+
+def lease4_routes(
+    address: ipaddress.IPv4Interface, routers: Sequence[ipaddress.IPv4Address]
+) -> list[Route4]:
+    """The default route by the lease's first router; where the router is outside the lease's
+    prefix, an on-link route to it first, so the kernel can reach it on the link."""
+    if not routers:
+        return []
+    router = routers[0]
+    out: list[Route4] = []
+    if router not in address.network:
+        out.append(Route4(ipaddress.IPv4Network(f"{router}/32"), None))
+    out.append(Route4(None, router))
+    return out
+
+
+@attrs.frozen
+class Timers6:
+    """When to renew (T1), rebind (T2) and when the lease ends, in seconds from the reply."""
+
+    t1: float
+    t2: float
+    end: float
+
+
+INFINITY = 0xFFFFFFFF
+
+
+def lease6_timers(t1: int, t2: int, lifetimes: Sequence[tuple[int, int]]) -> Timers6:
+    """RFC 8415's timers for one IA: T1 and T2 as the server gave them, or 0.5 and 0.8 of the
+    shortest preferred lifetime where it left them to the client (0); the lease ends with the
+    longest valid lifetime. lifetimes: (preferred, valid) of each address or prefix."""
+    if not lifetimes:
+        raise FeosError(Code.INVALID_ARGUMENT, "a DHCPv6 lease without addresses or prefixes")
+    preferred = min(p for p, _ in lifetimes)
+    valid = max(v for _, v in lifetimes)
+    end = float("inf") if valid == INFINITY else float(valid)
+    base = float("inf") if preferred == INFINITY else float(preferred)
+    r1 = float("inf") if t1 == INFINITY else float(t1) if t1 else base * 0.5
+    r2 = float("inf") if t2 == INFINITY else float(t2) if t2 else base * 0.8
+    r2 = min(max(r2, r1), end)
+    return Timers6(t1=min(r1, r2), t2=r2, end=end)
