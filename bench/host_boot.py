@@ -34,8 +34,8 @@ def to_answer(image: Path, work: Path) -> float:
         v4 = vm.wait_console(r"DHCPv4: address (\S+)/\d+ on eth0", TIMEOUT_S).group(1)
         while time.monotonic() - vm.started < TIMEOUT_S:
             done = vm.ns("env", f"PYTHONPATH={REPO}", str(REPO / ".venv/bin/python"), "-c",
-                         "from feos.cli import main; main()", "--socket", f"{v4}:1337", "host",
-                         "info", timeout=30)
+                         "from feos.cli import main; main()", "--socket", f"{v4}:1337",
+                         *vm.tls_flags, "host", "info", timeout=30)
             if done.returncode == 0:
                 return time.monotonic() - vm.started
             time.sleep(0.2)

@@ -53,12 +53,13 @@ class NodeVM:
         self._argv = argv
         self._lock_fd: int | None = None
         self.proc: subprocess.Popen[bytes] | None = None
+        self.tls_flags: list[str] = []  # feosctl's, for the API on TCP (site_initramfs)
         self.started = 0.0
 
     @classmethod
     def boot(cls, image: Path, workdir: Path, *, setup: Callable[[Servers], None] | None = None,
              cmdline: Sequence[str] = (), memory_mib: int = 3072,
-             rtc_base: str | None = None) -> NodeVM:
+             rtc_base: str | None = None, tls: bool = True) -> NodeVM:
         netns = OWNER.netns(f"feostest-node-{secrets.token_hex(3)}")
         subprocess.run(["ip", "-n", netns, "link", "set", "lo", "up"], check=True)
         subprocess.run(["ip", "-n", netns, "tuntap", "add", "dev", "nt0", "mode", "tap"],
@@ -72,7 +73,8 @@ class NodeVM:
             "qemu-system-x86_64", "-M", "microvm,x-option-roms=off", "-accel", "tcg",
             "-cpu", "max", "-smp", "2", "-m", f"{memory_mib}M", "-nodefaults",
             "-no-user-config", "-nographic", "-kernel", str(image / "vmlinux"),
-            "-initrd", str(image / "initramfs"), "-append", " ".join(words),
+            "-initrd", str(site_initramfs(image, workdir) if tls else image / "initramfs"),
+            "-append", " ".join(words),
             "-netdev", "tap,id=n0,ifname=nt0,script=no,downscript=no",
             "-device", f"virtio-net-device,netdev=n0,mac={MAC}",
             "-object", "rng-random,id=rng0,filename=/dev/urandom",
@@ -82,6 +84,7 @@ class NodeVM:
         if rtc_base is not None:
             argv += ["-rtc", f"base={rtc_base}"]
         vm = cls(image, workdir, netns, servers, argv)
+        vm.tls_flags = operator_flags(workdir) if tls else []
         vm.start()
         (setup or (lambda s: (s.dhcp4(), s.dhcp6(pd=True), s.radvd(), s.chrony())))(servers)
         return vm
@@ -143,3 +146,43 @@ class NodeVM:
 
     def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
         self.close()
+
+
+SERVER_NAME = "feos-node"  # the node's certificate in the site's initramfs
+
+
+def site_initramfs(image: Path, workdir: Path) -> Path:
+    """The image's initramfs with a site's second archive after it, as a PXE boot would load
+    both (docs/host-init.md): /etc/feos/tcp-client-ca.pem (an operator CA of the test's, made by
+    trustme), the node's certificate and key for SERVER_NAME. The kernel unpacks both archives
+    into one root."""
+    import trustme
+
+    ca = trustme.CA()
+    site = workdir / "site"
+    etc = site / "etc" / "feos"
+    etc.mkdir(parents=True, exist_ok=True)
+    ca.cert_pem.write_to_path(str(etc / "tcp-client-ca.pem"))
+    server = ca.issue_cert(SERVER_NAME)
+    server.cert_chain_pems[0].write_to_path(str(etc / "tcp-cert.pem"))
+    server.private_key_pem.write_to_path(str(etc / "tcp-key.pem"))
+    client = ca.issue_cert("operator@feos.test")
+    client.cert_chain_pems[0].write_to_path(str(workdir / "operator.pem"))
+    client.private_key_pem.write_to_path(str(workdir / "operator.key"))
+    ca.cert_pem.write_to_path(str(workdir / "operator-ca.pem"))
+    names = subprocess.run(["find", "etc"], cwd=site, check=True, capture_output=True).stdout
+    archive = subprocess.run(["cpio", "--quiet", "-o", "-H", "newc", "-R", "0:0"], cwd=site,
+                             input=names, check=True, capture_output=True).stdout
+    joined = workdir / "initramfs"
+    with (image / "initramfs").open("rb") as src, joined.open("wb") as out:
+        while chunk := src.read(1 << 22):
+            out.write(chunk)
+        out.write(b"\0" * (-out.tell() % 4))  # each archive starts 4-byte aligned
+        out.write(archive)
+    return joined
+
+
+def operator_flags(workdir: Path) -> list[str]:
+    """feosctl's flags as the operator of site_initramfs's CA."""
+    return ["--tls-cert", str(workdir / "operator.pem"), "--tls-key", str(workdir / "operator.key"),
+            "--tls-ca", str(workdir / "operator-ca.pem"), "--tls-server-name", SERVER_NAME]

@@ -46,7 +46,8 @@ def lease(vm: NodeVM, family: int, after: int = 0) -> str:
 def feosctl(vm: NodeVM, address: str, *argv: str, timeout: float = 60.0) -> dict[str, object]:
     host = f"[{address}]" if ":" in address else address
     done = vm.ns("env", f"PYTHONPATH={REPO}", str(REPO / ".venv/bin/python"), "-c",
-                 "from feos.cli import main; main()", "--json", "--socket", f"{host}:1337", *argv,
+                 "from feos.cli import main; main()", "--json", "--socket", f"{host}:1337",
+                 *vm.tls_flags, *argv,
                  timeout=timeout)
     assert done.returncode == 0, f"feosctl {' '.join(argv)}: {done.stderr[-2000:]}"
     return json.loads(done.stdout) if done.stdout.strip() else {}  # type: ignore[no-any-return]
@@ -75,7 +76,8 @@ def test_addresses_prefix_resolvers_and_time(node: NodeVM) -> None:
     assert ipaddress.IPv6Address(v6) in ipaddress.IPv6Network(PREFIX6)
     prefix = node.wait_console(r"DHCPv6: delegated prefix (\S+), routed as unreachable", 60).group(1)
     assert ipaddress.IPv6Network(prefix).subnet_of(ipaddress.IPv6Network(f"{PD_POOL[0]}/{PD_POOL[1]}"))
-    node.wait_console(rf"started feosd \(pid \d+\): .*--tcp \[::\]:1337 --pod-prefix {re.escape(prefix)}", 10)
+    node.wait_console(rf"started feosd \(pid \d+\): .*--tcp \[::\]:1337 --tcp-client-ca \S+ .*--pod-prefix "
+                      rf"{re.escape(prefix)}", 10)
     node.wait_console(rf"resolv.conf: {re.escape(ROUTER6)} {re.escape(ROUTER4)}", 60)
     # QEMU's RTC starts in 2020: the node's clock is the host's once NTP set it. Read from the
     # stamps of feosd's own log lines: host-init's "NTP: the clock set by" line was missing from
@@ -153,7 +155,8 @@ def test_killed_feosd_started_again_within_two_seconds(node: NodeVM, tmp_path: P
 def power(vm: NodeVM, address: str, verb: str) -> None:
     """feosctl host reboot|shutdown: its answer may not get out before feosd is stopped."""
     vm.ns("env", f"PYTHONPATH={REPO}", str(REPO / ".venv/bin/python"), "-c",
-          "from feos.cli import main; main()", "--socket", f"{address}:1337", "host", verb)
+          "from feos.cli import main; main()", "--socket", f"{address}:1337", *vm.tls_flags,
+          "host", verb)
 
 
 def test_reboot_by_sigrtmin5(node: NodeVM) -> None:

@@ -27,10 +27,14 @@ from . import _link, _ntp, _system
 from ._dhcp6 import Dhcp6Client, Lease6
 from ._plan import (
     DHCP6_WAIT_S,
+    TCP_CERT,
+    TCP_CLIENT_CA,
+    TCP_KEY,
     cmdline_pod_prefix,
     lease4_routes,
     ntp_order,
     resolv_conf,
+    tcp_options,
 )
 from ._supervise import Program, Supervisor, bind_resolver_sockets
 
@@ -41,7 +45,7 @@ HOSTNAME = "feos"
 NTP_EVERY_S = 900.0
 STOP_GRACE_S = 10.0
 DISKD = ["/usr/sbin/diskd", "--state-dir", "/var/lib/feos/disk"]
-FEOSD = ["/usr/sbin/feosd", "--self-upgrade", "--tcp", "[::]:1337"]
+FEOSD = ["/usr/sbin/feosd", "--self-upgrade"]  # and tcp_options's
 
 
 def main() -> None:
@@ -96,6 +100,7 @@ def _ignored(sig: int) -> None:
 class Node:
     def __init__(self, cmdline: str, dns: list[socket.socket]) -> None:
         self._cmdline = cmdline
+        self._tcp_said = ""  # the console's last line about the API on TCP
         self._dns = dns
         self._dns6: list[ipaddress.IPv6Address] = []
         self._dns4: list[ipaddress.IPv4Address] = []
@@ -165,7 +170,12 @@ class Node:
 
     def _feosd_argv(self) -> list[str]:
         prefix = [] if self._pod_prefix is None else ["--pod-prefix", str(self._pod_prefix)]
-        return [*FEOSD, *prefix]
+        files = [p for p in (TCP_CLIENT_CA, TCP_CERT, TCP_KEY) if os.path.exists(p)]
+        tcp, said = tcp_options(files, self._cmdline)
+        if said != self._tcp_said:
+            (log.info if tcp and "--tcp-insecure" not in tcp else log.warning)(said)
+            self._tcp_said = said
+        return [*FEOSD, *tcp, *prefix]
 
     async def _start_feosd(self) -> None:
         try:

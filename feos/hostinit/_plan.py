@@ -146,3 +146,30 @@ def lease6_timers(t1: int, t2: int, lifetimes: Sequence[tuple[int, int]]) -> Tim
     r2 = float("inf") if t2 == INFINITY else float(t2) if t2 else base * 0.8
     r2 = min(max(r2, r1), end)
     return Timers6(t1=min(r1, r2), t2=r2, end=end)
+
+
+# The API on TCP (feosd --tcp, docs/host-init.md "The API on TCP"): what the image or a second
+# initramfs of the site's holds in /etc/feos.
+TCP_CLIENT_CA = "/etc/feos/tcp-client-ca.pem"  # the operator's CA: clients it signed are served
+TCP_CERT = "/etc/feos/tcp-cert.pem"  # the node's own certificate and key (else feosd makes one)
+TCP_KEY = "/etc/feos/tcp-key.pem"
+TCP_INSECURE_WORD = "feos.tcp-insecure=1"
+
+
+def tcp_options(present: Iterable[str], cmdline: str) -> tuple[list[str], str]:
+    """feosd's options for the API on [::]:1337, and the console's line about them: TLS with
+    client certificates of the operator's CA where the node has one (its own certificate and key
+    too, where given); plain TCP only when the kernel's command line asks for it by name; else
+    no TCP at all (the control plane still reaches the node through its own link)."""
+    have = set(present)
+    if TCP_CLIENT_CA in have:
+        args = ["--tcp", "[::]:1337", "--tcp-client-ca", TCP_CLIENT_CA]
+        if TCP_CERT in have and TCP_KEY in have:
+            args += ["--tcp-cert", TCP_CERT, "--tcp-key", TCP_KEY]
+        return args, f"the API on [::]:1337 over TLS, clients of {TCP_CLIENT_CA}"
+    if TCP_INSECURE_WORD in cmdline.split():
+        return (["--tcp", "[::]:1337", "--tcp-insecure"],
+                f"the API on [::]:1337 WITHOUT TLS ({TCP_INSECURE_WORD}): anyone who reaches "
+                "it runs code as root")  # fmt: skip
+    return [], (f"no API on TCP: the node has no {TCP_CLIENT_CA} (docs/host-init.md), and the "
+                f"command line does not say {TCP_INSECURE_WORD}")  # fmt: skip

@@ -113,3 +113,17 @@ def test_lease6_without_spans_refused() -> None:
 def test_lease6_timers_ordered(t1: int, t2: int, spans: list[tuple[int, int]]) -> None:
     t = lease6_timers(t1, t2, spans)
     assert t.t1 <= t.t2 <= t.end
+
+
+def test_the_api_on_tcp_is_tls_with_the_operators_ca_or_nothing() -> None:
+    from feos.hostinit._plan import TCP_CERT, TCP_CLIENT_CA, TCP_KEY, tcp_options
+
+    args, said = tcp_options([TCP_CLIENT_CA, TCP_CERT, TCP_KEY], "console=ttyS0")
+    assert args == ["--tcp", "[::]:1337", "--tcp-client-ca", TCP_CLIENT_CA,
+                    "--tcp-cert", TCP_CERT, "--tcp-key", TCP_KEY]  # fmt: skip
+    args, _ = tcp_options([TCP_CLIENT_CA, TCP_CERT], "")  # a certificate without its key
+    assert args == ["--tcp", "[::]:1337", "--tcp-client-ca", TCP_CLIENT_CA]
+    args, said = tcp_options([], "console=ttyS0 feos.tcp-insecure=1")
+    assert args == ["--tcp", "[::]:1337", "--tcp-insecure"] and "WITHOUT TLS" in said
+    args, said = tcp_options([TCP_CERT, TCP_KEY], "feos.tcp-insecure=10")
+    assert args == [] and "no API on TCP" in said and TCP_CLIENT_CA in said
