@@ -183,13 +183,13 @@ class Hibernator:
             with progress.scope:
                 checkpoint = await self._upload(diskd, pod, progress)
             if progress.abandoned:
-                raise _abandoned(pod)
+                raise _abandoned(pod, progress)
             self._phase(pod, progress, "commit")
             progress.committed = True
             ref = (await diskd.call("putCheckpoint", body=checkpoint.to_json()))["ref"]
         except FeosError as exc:
             if progress.abandoned:
-                raise _abandoned(pod) from None
+                raise _abandoned(pod, progress) from None
             log.warning("pod %s: the hibernation failed: %s", pod.id, exc.message)
             self._tell(pod, f"hibernation failed: {exc.message}")
             if ran:
@@ -387,5 +387,6 @@ class Hibernator:
         memory.unlink(missing_ok=True)  # noqa: ASYNC240  (a memory file pullMemory left)
 
 
-def _abandoned(pod: Pod) -> FeosError:
-    return FeosError(Code.ABORTED, f"pod {pod.id}: its hibernation was abandoned by a resume")
+def _abandoned(pod: Pod, progress: Progress) -> FeosError:
+    return FeosError(Code.ABORTED, f"pod {pod.id}: its hibernation was abandoned by a resume "
+                     f"in its {progress.phase}")

@@ -149,6 +149,15 @@ class QemuDriver:
     def late_snapshot(self, vm: VmHandle) -> bool:
         return (vm.directory / LATE_MARKER).exists()
 
+    def runs_with(self) -> bool:
+        """Whether this QEMU takes -run-with chroot=,user= in place of -chroot and -runas
+        (9.1 removed those: Debian 13's QEMU)."""
+        try:
+            major, minor = (int(x) for x in self.version().split()[-1].split(".")[:2])
+        except (ValueError, FeosError):
+            return False
+        return (major, minor) >= (9, 1)
+
     def config(self, vm: VmHandle, *, chroot: bool) -> QemuConfig:
         """Paths are relative to the directory, QEMU's working directory before its chroot and
         its root after: a file QEMU opens again (a drive's reopen read-only when a snapshot
@@ -172,6 +181,7 @@ class QemuDriver:
             serial_log=None, accel="kvm" if vm.accel == "kvm" else "tcg",
             chroot=str(vm.directory) if confine and chroot else None,
             runas=f"{vm.uid}:{vm.uid}" if confine and vm.uid is not None else None,
+            run_with=confine and self.runs_with(),
             sandbox=False, name=f"feos-{vm.id}", qemu=self._qemu,
         )  # fmt: skip
 

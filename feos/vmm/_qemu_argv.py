@@ -86,6 +86,7 @@ class QemuConfig:
     incoming: str | None = None  # a migration file to resume from (QEMU waits in "inmigrate")
     chroot: str | None = None
     runas: str | None = None
+    run_with: bool = False  # QEMU 9.1 on: -run-with chroot=,user= (-chroot and -runas are gone)
     sandbox: bool = False
     name: str | None = None
     no_reboot: bool = True  # a guest's reboot ends QEMU: the node restarts a VM, not QEMU
@@ -168,10 +169,15 @@ def _host_side(c: QemuConfig) -> list[str]:
     if c.incoming is not None:
         # QEMU 7.2 has no file: migration URI; exec: runs through /bin/sh, hence the quoting.
         argv += ["-incoming", f"exec:cat {shlex.quote(c.incoming)}"]
-    if c.chroot is not None:
-        argv += ["-chroot", c.chroot]
-    if c.runas is not None:
-        argv += ["-runas", c.runas]
+    if c.run_with:
+        parts = ([f"chroot={c.chroot}"] if c.chroot is not None else []) + (
+            [f"user={c.runas}"] if c.runas is not None else [])
+        argv += ["-run-with", ",".join(parts)] if parts else []
+    else:
+        if c.chroot is not None:
+            argv += ["-chroot", c.chroot]
+        if c.runas is not None:
+            argv += ["-runas", c.runas]
     if c.sandbox:
         # spawn stays allowed: suspend and -incoming run `cat` through exec: migration. QEMU
         # drops to -runas after it installs the filter, so set*id stays allowed with -runas

@@ -96,6 +96,14 @@ def test_link_tap_qmp_serial_and_host_options() -> None:
     assert _pairs(argv, "-m") == ["1024M"]
 
 
+def test_a_qemu_of_9_1_on_is_confined_by_run_with() -> None:
+    """QEMU 9.1 removed -chroot and -runas (Debian 13's QEMU): -run-with takes both."""
+    argv = qemu_argv(_config(chroot="/vm", runas="1000:1000", run_with=True))
+    assert _pairs(argv, "-run-with") == ["chroot=/vm,user=1000:1000"]
+    assert "-chroot" not in argv and "-runas" not in argv
+    assert _pairs(qemu_argv(_config(runas="7:7", run_with=True)), "-run-with") == ["user=7:7"]
+
+
 @pytest.mark.parametrize(
     "kw",
     [
