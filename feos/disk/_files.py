@@ -11,7 +11,6 @@ and fsynced (feos.records.write_whole); a directory that appears does so by one 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -33,14 +32,6 @@ QEMU_IMG = "qemu-img"
 # (lazy_refcounts=off: a crash needs no repair, what the guest flushed is consistent on disk).
 # Tops made before keep the format they were made with: QEMU reads it from their header.
 TOP_OPTIONS = "cluster_size=1M,extended_l2=on,lazy_refcounts=off"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
 
 
 def run(argv: list[str], what: str, *, code: Code = Code.INTERNAL) -> str:

@@ -26,10 +26,11 @@ from typing import Any
 import attrs
 import trio
 
+from .._digest import sha256_file
 from ..errors import Code, FeosError, invalid
 from . import _export
 from ._chunks import ChunkCache
-from ._files import Files, allocated, sha256_file
+from ._files import Files, allocated
 from ._lazy import LazyMemory
 from ._memory import MemoryTransfers
 from ._model import (

@@ -42,6 +42,7 @@ from typing import Any
 import attrs
 import trio
 
+from .._digest import sha256_file
 from ..errors import Code, FeosError, invalid
 from ._disks import DiskdPort
 from ._pod import Pod
@@ -137,14 +138,6 @@ def shape_of(pod: Pod) -> Shape | None:
     if spec.volumes:
         return None
     return Shape(spec.vcpus, spec.memory_mib, spec.disk_size_mib, spec.network is not None)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
 
 
 _VMM_VERSIONS: dict[str, str] = {}
