@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "integration"))
 
 import _owner  # noqa: E402
 from _owner import OWNER  # noqa: E402
+from _timing import percentile, timed  # noqa: E402
 
 from feos.rpc._client import Client  # noqa: E402
 
@@ -46,22 +47,6 @@ async def main():
     await asyncio.Event().wait()
 asyncio.run(capnp.run(main()))
 """
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-async def timed(fn, count: int) -> list[float]:  # type: ignore[no-untyped-def]
-    for _ in range(min(50, count)):
-        await fn()
-    samples = []
-    for _ in range(count):
-        start = time.perf_counter()
-        await fn()
-        samples.append(time.perf_counter() - start)
-    return samples
 
 
 def wait_for(path: Path, proc: subprocess.Popen[bytes]) -> None:
@@ -85,7 +70,7 @@ async def echo_round_trip(path: Path, count: int) -> list[float]:
     async def call() -> None:
         await cap.echo(id=volume_id)
 
-    return await timed(call, count)
+    return await timed(call, count, warmup=min(50, count))
 
 
 async def feosd_round_trips(path: Path, total: int, have: int) -> tuple[list[float], list[float]]:
@@ -105,8 +90,9 @@ async def feosd_round_trips(path: Path, total: int, have: int) -> tuple[list[flo
     async def list_all() -> None:
         await client.call("volumes", "listVolumes")
 
-    gets = await timed(get, 2000 if total <= 1000 else 1000)
-    lists = await timed(list_all, {10: 1000, 1000: 200}.get(total, 30))
+    gets = await timed(get, 2000 if total <= 1000 else 1000, warmup=50)
+    n_lists = {10: 1000, 1000: 200}.get(total, 30)
+    lists = await timed(list_all, n_lists, warmup=min(50, n_lists))
     client.close()
     return gets, lists
 

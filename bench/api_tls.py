@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import capnp
@@ -41,6 +40,7 @@ sys.path.insert(0, str(ROOT / "integration"))
 
 import _owner  # noqa: E402
 from _owner import OWNER  # noqa: E402
+from _timing import timed  # noqa: E402
 
 from feos.rpc import Client, ClientTls  # noqa: E402
 
@@ -71,15 +71,6 @@ async def wait_serving(port: int, tls: ClientTls | None, proc: subprocess.Popen[
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"feosd on {port} did not serve") from None
             await asyncio.sleep(0.1)
-
-
-async def timed(fn: Callable[[], Awaitable[None]], count: int) -> list[float]:
-    samples = []
-    for _ in range(count):
-        start = time.perf_counter()
-        await fn()
-        samples.append(time.perf_counter() - start)
-    return samples
 
 
 def feosctl_runs(kinds: dict[str, list[str]], count: int = 12) -> dict[str, list[float]]:
