@@ -324,15 +324,26 @@ class MicroVms:
         choice = self._choose()
         record = VmRecord(vm_id, choice.driver, VmState.CREATED, "", version, choice.accel,
                           spec, self._free_uid())  # fmt: skip
+        return await self._admit(record, gdir)
+
+    async def _admit(self, record: VmRecord, gdir: Path,
+                     then: Callable[[], Awaitable[None]] | None = None) -> VmInfo:
+        """A new microVM registered and prepared by its driver (then `then`, e.g. a snapshot
+        moved in), then recorded in its record's state. On any failure it is forgotten and
+        what its driver prepared is removed."""
         vm = self._new_vm(record, gdir)
         async with vm.lock:
-            self._vms[vm_id] = vm
+            self._vms[record.id] = vm
             try:
                 await self._driver(vm).prepare(vm.handle)
+                if then is not None:
+                    await then()
             except BaseException:
-                del self._vms[vm_id]
+                del self._vms[record.id]
+                with trio.CancelScope(shield=True), trio.move_on_after(30):
+                    await self._driver(vm).delete(vm.handle)
                 raise
-            await self._record(vm, VmState.CREATED, "")
+            await self._record(vm, record.state, record.reason)
             self._start_link(vm)
         return self._info(vm)
 
@@ -594,21 +605,11 @@ class MicroVms:
         accel = self._choose().accel if self._choose().driver == driver else "tcg"
         record = VmRecord(vm_id, driver, VmState.SUSPENDED, "restored", guest_version, accel,
                           spec, self._free_uid())  # fmt: skip
-        vm = self._new_vm(record, gdir)
-        async with vm.lock:
-            self._vms[vm_id] = vm
-            try:
-                await self._driver(vm).prepare(vm.handle)
-                target = self.snapshot_file(vm_id)
-                await trio.to_thread.run_sync(_move_in, memory, target)
-            except BaseException:
-                del self._vms[vm_id]
-                with trio.CancelScope(shield=True), trio.move_on_after(30):
-                    await self._driver(vm).delete(vm.handle)
-                raise
-            await self._record(vm, VmState.SUSPENDED, "restored")
-            self._start_link(vm)
-        return self._info(vm)
+
+        async def move_in() -> None:
+            await trio.to_thread.run_sync(_move_in, memory, self.snapshot_file(vm_id))
+
+        return await self._admit(record, gdir, move_in)
 
     def get(self, vm_id: str) -> VmInfo:
         return self._info(self._get(vm_id))
