@@ -11,7 +11,6 @@ import pytest
 import trio
 
 from feos.fleet import EventBuffer, Runtime
-from feos.fleet import _link as link_module
 from feos.pods._events import EventHub
 
 
@@ -65,7 +64,7 @@ async def test_a_report_waits_a_second_at_most_and_the_90s_rule(
         assert 0.9 < trio.current_time() - began < 3
         assert stale["podsUnixNs"] == fresh["podsUnixNs"]  # as they were
         assert runtime.health() is None
-        monkeypatch.setattr(link_module, "HELD_S", 0.5)
+        runtime.held_s = 0.5
         runtime.last_tick = time.monotonic()  # the tick is fine: the pods alone hold reports
         assert "the pods have not answered" in (runtime.health() or "")
         pods.stall.set()
