@@ -50,7 +50,16 @@ from feos.errors import Code, FeosError, busy
 
 from ._driver import Adopted, Exit, VmHandle, VmState
 from ._jail import _set_tap_owner
-from ._qemu_argv import Drive, QemuConfig, Tap, host_tsc_khz, kernel_cmdline, qemu_argv
+from ._qemu_argv import (
+    QBOOT,
+    Drive,
+    QemuConfig,
+    Tap,
+    host_tsc_khz,
+    kernel_cmdline,
+    microvm_firmware,
+    qemu_argv,
+)
 from ._qmp import Qmp, backoff, connect_qmp, until
 
 log = logging.getLogger("feos.vmm.qemu")
@@ -121,6 +130,7 @@ class QemuDriver:
         self._tsc_khz = tsc_khz if tsc_khz is not None else host_tsc_khz()
         self._live: dict[str, _Live] = {}
         self._version: str | None = None
+        self._firmware: tuple[str | None] | None = None
 
     # -- paths and config -----------------------------------------------------------------
 
@@ -158,6 +168,23 @@ class QemuDriver:
             return False
         return (major, minor) >= (9, 1)
 
+    def firmware(self) -> str | None:
+        """The microVMs' firmware: qboot where this QEMU has it (Debian 12's default for
+        microvm, not Debian 13's), else None, QEMU's default with its option ROMs."""
+        if self._firmware is None:
+            try:
+                dirs = subprocess.run([self._qemu, "-L", "help"], capture_output=True,
+                                      text=True, timeout=10, check=True).stdout.splitlines()
+            except (OSError, subprocess.SubprocessError):
+                dirs = []
+            found = microvm_firmware(dirs)
+            if found is None:
+                log.warning("QEMU (%s) has no %s in its data directories %s: microVMs boot "
+                            "through its default firmware and option ROMs", self._qemu, QBOOT,
+                            dirs)  # fmt: skip
+            self._firmware = (found,)
+        return self._firmware[0]
+
     def config(self, vm: VmHandle, *, chroot: bool) -> QemuConfig:
         """Paths are relative to the directory, QEMU's working directory before its chroot and
         its root after: a file QEMU opens again (a drive's reopen read-only when a snapshot
@@ -181,7 +208,7 @@ class QemuDriver:
             serial_log=None, accel="kvm" if vm.accel == "kvm" else "tcg",
             chroot=str(vm.directory) if confine and chroot else None,
             runas=f"{vm.uid}:{vm.uid}" if confine and vm.uid is not None else None,
-            run_with=confine and self.runs_with(),
+            run_with=confine and self.runs_with(), firmware=self.firmware(),
             sandbox=False, name=f"feos-{vm.id}", qemu=self._qemu,
         )  # fmt: skip
 

@@ -1,9 +1,9 @@
 """The QEMU `-M microvm` command line of a pod's microVM, built from a frozen config.
 
 Pure: `qemu_argv(config)` returns the argv and touches nothing; `kernel_cmdline` writes the guest
-contract's kernel command line. The one function here that reads the host is `host_tsc_khz`
-(the TSC frequency every TCG boot needs as tsc_early_khz, or one boot in eleven hangs), and its
-parsers are pure too.
+contract's kernel command line. Two functions here read the host: `host_tsc_khz` (the TSC
+frequency every TCG boot needs as tsc_early_khz, or one boot in eleven hangs), whose parsers are
+pure, and `microvm_firmware` (whether QEMU's data directories have qboot).
 
 Device order matters to the guest: drives come in the config's order (root, data, vol1, ...),
 each a virtio-blk-device with its serial, so that the guest finds them by /sys/block/vd*/serial.
@@ -87,6 +87,11 @@ class QemuConfig:
     chroot: str | None = None
     runas: str | None = None
     run_with: bool = False  # QEMU 9.1 on: -run-with chroot=,user= (-chroot and -runas are gone)
+    # The firmware, by its name in QEMU's data directories: qboot loads the PVH kernel from
+    # fw_cfg itself, so no option ROM is needed (x-option-roms=off). None: QEMU's default
+    # microvm firmware, SeaBIOS where Debian 13 installs it, with the option ROMs that load the
+    # kernel (without them it finds no boot disk and stops at "No bootable device").
+    firmware: str | None = "qboot.rom"
     sandbox: bool = False
     name: str | None = None
     no_reboot: bool = True  # a guest's reboot ends QEMU: the node restarts a VM, not QEMU
@@ -103,7 +108,8 @@ class QemuConfig:
         _check("kernel", self.kernel)
         _check("initramfs", self.initramfs)
         _check("link_name", self.link_name, _PORT_RE)
-        for field in ("link_socket", "qmp_socket", "serial_log", "chroot", "runas", "name"):
+        for field in ("link_socket", "qmp_socket", "serial_log", "chroot", "runas", "name",
+                      "firmware"):
             value = getattr(self, field)
             if value is not None:
                 _check(field, value)
@@ -137,10 +143,11 @@ def qemu_argv(config: QemuConfig) -> list[str]:
 
 def _machine(c: QemuConfig) -> list[str]:
     cpu = c.cpu or ("max" if c.accel == "tcg" else "host")
-    # x-option-roms=off: no firmware ROMs to load, PVH enters the kernel directly.
-    argv = ["-M", "microvm,x-option-roms=off", "-accel", c.accel, "-cpu", cpu,
-            "-smp", str(c.vcpus), "-m", f"{c.memory_mib}M",
-            "-nodefaults", "-no-user-config", "-nographic"]  # fmt: skip
+    # qboot enters the PVH kernel directly: no option ROMs to load (x-option-roms=off).
+    machine = ["-M", "microvm,x-option-roms=off", "-bios", c.firmware] if c.firmware else [
+        "-M", "microvm"]
+    argv = [*machine, "-accel", c.accel, "-cpu", cpu, "-smp", str(c.vcpus),
+            "-m", f"{c.memory_mib}M", "-nodefaults", "-no-user-config", "-nographic"]  # fmt: skip
     if c.no_reboot:
         argv.append("-no-reboot")
     if c.name is not None:
@@ -185,6 +192,16 @@ def _host_side(c: QemuConfig) -> list[str]:
         privileges = "" if c.runas is not None else ",elevateprivileges=deny"
         argv += ["-sandbox", f"on,obsolete=deny{privileges},resourcecontrol=deny"]
     return argv
+
+
+QBOOT = "qboot.rom"
+
+
+def microvm_firmware(data_dirs: list[str]) -> str | None:
+    """qboot where one of QEMU's data directories (as `qemu -L help` lists them) has it, else
+    None: QEMU's default firmware then, with its option ROMs. Debian 12 links its microvm
+    default to qboot; Debian 13's default is SeaBIOS, which boots nothing without the ROMs."""
+    return QBOOT if any(os.path.isfile(os.path.join(d, QBOOT)) for d in data_dirs) else None
 
 
 def kernel_cmdline(tsc_khz: int | None, link: str = "feos.guest", *extra: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -14,6 +15,7 @@ from feos.vmm._qemu_argv import (
     QemuConfig,
     Tap,
     kernel_cmdline,
+    microvm_firmware,
     qemu_argv,
     tsc_khz_from_cpuinfo,
     tsc_khz_from_kmsg,
@@ -37,6 +39,7 @@ def test_minimal_config_boots_a_microvm_with_rng_and_balloon() -> None:
     argv = qemu_argv(_config())
     assert argv[0] == "qemu-system-x86_64"
     assert _pairs(argv, "-M") == ["microvm,x-option-roms=off"]
+    assert _pairs(argv, "-bios") == ["qboot.rom"]
     assert _pairs(argv, "-accel") == ["tcg"]
     assert _pairs(argv, "-cpu") == ["max"]
     assert _pairs(argv, "-kernel") == ["/g/vmlinux"]
@@ -104,6 +107,29 @@ def test_a_qemu_of_9_1_on_is_confined_by_run_with() -> None:
     assert _pairs(qemu_argv(_config(runas="7:7", run_with=True)), "-run-with") == ["user=7:7"]
 
 
+def test_qboot_boots_without_option_roms_and_the_default_firmware_with_them() -> None:
+    """qboot loads the kernel itself; QEMU's default microvm firmware (SeaBIOS on Debian 13)
+    boots it only through the option ROMs, so x-option-roms=off goes with qboot alone."""
+    qboot = qemu_argv(_config())
+    assert qboot[1:5] == ["-M", "microvm,x-option-roms=off", "-bios", "qboot.rom"]
+    default = qemu_argv(_config(firmware=None))
+    assert default[1:3] == ["-M", "microvm"]
+    assert "-bios" not in default
+    assert [a for a in default if "option-roms" in a] == []
+    assert qboot[5:] == default[3:]  # the rest of the command line is the same
+
+
+def test_the_firmware_is_qboot_where_qemus_data_directories_have_it(tmp_path: Path) -> None:
+    share, seabios = tmp_path / "qemu", tmp_path / "seabios"
+    for d in (share, seabios):
+        d.mkdir()
+    (seabios / "bios-microvm.bin").write_bytes(b"seabios")
+    assert microvm_firmware([str(share), str(seabios)]) is None
+    assert microvm_firmware([]) is None
+    (share / "qboot.rom").write_bytes(b"qboot")
+    assert microvm_firmware([str(tmp_path / "missing"), str(share), str(seabios)]) == "qboot.rom"
+
+
 @pytest.mark.parametrize(
     "kw",
     [
@@ -113,6 +139,7 @@ def test_a_qemu_of_9_1_on_is_confined_by_run_with() -> None:
         {"kernel": "/a,b"},
         {"link_socket": "/x,y"},
         {"link_name": "bad name"},
+        {"firmware": "q,boot.rom"},
         {"drives": (Drive("/a", "root"), Drive("/b", "root"))},
     ],
 )
