@@ -285,6 +285,7 @@ class _Folder:
         self.folded = 0  # the serial of the last entry in its file, synced
         self.error: OSError | None = None  # the last fold's failure, until one succeeds
         self._closing = False
+        self._hurry = False
         self.folding = threading.Lock()  # held while the files change; `load` takes it
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
@@ -304,6 +305,9 @@ class _Folder:
         """Whether every entry up to `serial` is in its file (waiting up to `within` s, or until
         a fold fails)."""
         with self._cond:
+            if within > 0 and self.folded < serial:
+                self._hurry = True  # the writer waits: no time to let a group gather
+                self._cond.notify_all()
             return (
                 self._cond.wait_for(
                     lambda: self.folded >= serial or (within > 0 and self.error is not None), within
@@ -336,7 +340,8 @@ class _Folder:
                 self._cond.wait_for(lambda: self.pending or self._closing)
                 if not self.pending:
                     return
-                self._cond.wait_for(lambda: self._closing, FOLD_AFTER)  # a bigger group
+                self._cond.wait_for(lambda: self._closing or self._hurry, FOLD_AFTER)
+                self._hurry = False
             error = self.fold_pending()
             if error is None:
                 backoff = FOLD_RETRY
