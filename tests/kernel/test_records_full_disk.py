@@ -38,6 +38,12 @@ def fill(directory: Path) -> Path:
         os.close(fd)
 
 
+async def puts_until_refused(records: RecordDir, acknowledged: dict[str, int]) -> None:
+    for n in range(100_000):
+        await records.put(f"v{n}", {"id": f"v{n}", "sizeBytes": n})
+        acknowledged[f"v{n}"] = n
+
+
 def sizes(loaded: dict[str, dict[str, Any]]) -> dict[str, int]:
     return {k: v["sizeBytes"] for k, v in loaded.items()}
 
@@ -70,9 +76,7 @@ async def test_a_full_disk_fails_changes_clearly_and_loses_nothing_acknowledged(
             acknowledged["first"] = 7
             filler = fill(disk)
             with pytest.raises(FeosError) as caught:
-                for n in range(100_000):
-                    await records.put(f"v{n}", {"id": f"v{n}", "sizeBytes": n})
-                    acknowledged[f"v{n}"] = n
+                await puts_until_refused(records, acknowledged)
             assert sizes(records.load()) == acknowledged  # the journal's, over the files'
         finally:
             records.close()  # the folder cannot write them: the journal keeps them

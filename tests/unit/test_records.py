@@ -260,6 +260,7 @@ async def test_a_cancelled_caller_still_sees_its_write_through(tmp_path: Path) -
         async with trio.open_nursery() as nursery:
             nursery.start_soon(store.put, "hold", "hold")
             await disk.held()
+
             async def release() -> None:
                 await trio.testing.wait_all_tasks_blocked()
                 disk.hold.set()
@@ -472,7 +473,9 @@ def test_each_change_is_in_the_synced_journal_before_its_answer_then_folded_nati
         assert written < journal_synced < acked, f"v{n}: {lines[written : acked + 1]}"
         synced = first(rf"fsync\(\d+<{records}/\.v{n}\.pb\.\d+\.tmp>\)")
         # renameat in the directory: the native call's (Python's own would rename by path)
-        renamed = first(rf'renameat\(\d+<{records}>, "\.v{n}\.pb\.\d+\.tmp", \d+<{records}>, "v{n}\.pb"')
+        renamed = first(
+            rf'renameat\(\d+<{records}>, "\.v{n}\.pb\.\d+\.tmp", \d+<{records}>, "v{n}\.pb"'
+        )
         dir_synced = first(rf"fsync\(\d+<{records}>\)", renamed)
         assert synced < renamed < dir_synced, f"v{n}: {lines[synced : dir_synced + 1]}"
 
