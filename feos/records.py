@@ -294,8 +294,9 @@ class _Folder:
 
     def add(self, entries: list[tuple[int, Entry]]) -> None:
         with self._cond:
+            if not self.pending:  # the folder waits for the first only (then lets more gather)
+                self._cond.notify_all()
             self.pending.extend(entries)
-            self._cond.notify_all()
 
     def unfolded(self) -> list[Entry]:
         with self._cond:
