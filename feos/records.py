@@ -506,6 +506,7 @@ class _Writer:
             return  # still at work after the bound: the process's end closes what they hold
         if self._journal is not None:
             self._close_journal(self._journal)
+            self._journal = None
 
     def _close_journal(self, journal: Journal) -> None:
         """Emptied (a new generation) if the files hold all it held, so that the next start has

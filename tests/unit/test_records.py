@@ -500,3 +500,10 @@ def test_close_waits_for_a_change_whose_caller_went(tmp_path: Path) -> None:
         disk.hold.set()
     assert (tmp_path / "a.pb").exists()
     assert records.load().keys() == {"a"}
+
+
+def test_close_twice_is_one_close(tmp_path: Path) -> None:
+    records = RecordDir(tmp_path, _schema.volume().Volume)
+    records.close()
+    records.close()
+    assert records.load() == {}
