@@ -1,14 +1,26 @@
-"""Record files: one Cap'n Proto message per file, written whole, in the order of the changes.
+"""Record files: one Cap'n Proto message per file, each change kept first in a journal.
 
 Theory of operation: a `RecordDir` is a directory of `<id>.pb` files, each one message of one
-struct type. A change (a put or a removal) is encoded on the caller's thread and queued to the
-directory's one writer thread, which commits in groups: it takes every change queued, writes
-each put's temporary file (their write-back started together) and fsyncs each, then, in queue
-order, renames each over its record or unlinks the removed one, and fsyncs the directory ONCE for
-the group. Only then is each change acknowledged. The group's steps are one native call without
-the GIL (feos.native.commit_group); a test's instrumented fsync has them made here in Python.
-A crash at any point leaves each record old or new, never torn, and nothing that was
-acknowledged is lost; the changes of one record land in the order they were queued.
+struct type, and its journal (feos/_journal.py: `.journal`, a file written whole when it is
+made, so that writing into it changes no metadata). A change (a put or a removal) is encoded on
+the caller's thread and queued to the directory's writer thread, which keeps changes in groups:
+it takes every change queued, appends them to the journal in one write, and syncs it once
+(fdatasync: the data and the disk's cache flush). Only then is each change acknowledged. The
+folder thread then writes the journal's changes into their files in the background, a tenth of
+a second's worth at a time: each record's last change in one group commit (the files written
+and fsynced, renamed in order, the directory fsynced once: one native call without the GIL,
+feos.native.commit_group; a test's instrumented fsync has the same steps made in Python). Once
+the folder has caught up the journal starts a new generation, and what it held is no longer
+read.
+
+A crash at any point loses nothing that was acknowledged: opening the directory again replays
+the journal's entries, in order, over the files (those the folder had not written yet, and the
+ones it had, again), writes them into the files and starts a new generation. A torn tail of the
+journal (a group whose sync had not returned: never acknowledged) ends it. A record file is
+always whole, old or new; the changes of one record land in the order they were queued. While
+the directory is open `load()` lays the changes the folder has not written over what the files
+hold; other readers of the files (an operator) see them up to a fold behind, and, after a
+crash, behind until the next open.
 
 A change is queued from a trio run or from an asyncio loop (the Cap'n Proto thread's, where the
 API's creates run without a trip to trio): its home. The writer hands a group's outcome to each
@@ -19,13 +31,18 @@ A trio caller waits for its acknowledgement shielded from cancellation (a change
 way to the disk is seen through); an asyncio caller that is cancelled stops waiting, and its
 change goes on all the same. Both waits are bounded: a change not kept `within` its bound
 (seconds) fails its caller with DEADLINE_EXCEEDED naming the record, and is skipped if the writer
-has not reached it yet. At start `load()` reads every record; one that fails to parse is reported
-by name and moved aside as `<id>.pb.broken-<time>`, not fatal.
+has not reached it yet. A change the journal cannot take fails with the reason: the journal
+could not be made (a full disk: ENOSPC), or it is full and the folder cannot write its changes
+into their files (RESOURCE_EXHAUSTED on a full disk); what was acknowledged stays in the journal.
+At start `load()` reads every record; one that fails to parse is reported by name and moved
+aside as `<id>.pb.broken-<time>`, not fatal (a journal with no valid header: `.journal.broken-
+<time>`). One RecordDir per directory at a time (feosd's lock sees to that).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import logging
 import os
@@ -40,6 +57,9 @@ from typing import Any
 import trio
 
 from . import native
+from ._journal import CAPACITY as JOURNAL_BYTES
+from ._journal import NAME as JOURNAL
+from ._journal import RESET_AFTER, Entry, Journal, entry_size
 from .errors import Code, FeosError
 
 log = logging.getLogger(__name__)
@@ -47,6 +67,12 @@ log = logging.getLogger(__name__)
 SUFFIX = ".pb"
 WRITE_TIMEOUT = 30.0  # a sync behind a snapshot's write-back may take seconds
 """Seconds a record may take to be kept before its caller is told it was not."""
+FOLD_AFTER = 0.1
+"""Seconds the folder lets entries gather before it writes them into their files: fewer,
+larger groups, whose syncs the journal's then wait behind less often."""
+FOLD_RETRY = 0.1
+FOLD_RETRY_MAX = 5.0
+"""Seconds before a fold that failed is tried again: doubled each time, up to this."""
 
 Fsync = Callable[[int], None]
 
@@ -174,7 +200,6 @@ class Change:
         self.data = data
         self.on_kept = on_kept
         self.abandoned = False  # its caller gave up: the writer skips it if not begun
-        self.tmp: Path | None = None  # a put's temporary file, once the writer made it
         self.error: BaseException | None = None
         self.done = False  # kept or failed: set on its home, read anywhere
         self._home = _here()
@@ -239,33 +264,260 @@ def _kept_all(changes: list[Change]) -> None:
         change._settled(None)
 
 
-class _Writer:
-    """One thread that commits a directory's changes in groups, in the order they were queued.
+class _Folder:
+    """The thread that writes the journal's entries into their record files, in the background.
 
-    With the default fsync and feos._native built, a group's steps are one native call, made
-    without the GIL (feos.native.commit_group); otherwise (a test's instrumented fsync) they are
-    made here one by one, in the same order.
+    It takes every entry not yet folded (the last change of each record among them), commits
+    them as one group (feos.native.commit_group: each file written and synced, renamed in order,
+    the directory synced once; the same steps in Python with a test's fsync), and only then
+    drops them from `pending`: until then `load` lays them over what the files hold. A fold that
+    fails is tried again, ever later, and keeps the journal from starting a new generation.
     """
 
-    def __init__(self, directory: Path, name: str, fsync: Fsync) -> None:
+    def __init__(self, directory: Path, dir_fd: int, name: str, fsync: Fsync) -> None:
         self._directory = directory
-        self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._dir_fd = dir_fd
         self._fsync = fsync
         self._native = fsync is os.fsync and native.can_commit_groups()
         self._serial = itertools.count()
+        self._cond = threading.Condition()
+        self.pending: list[tuple[int, Entry]] = []  # (the writer's serial, entry), in order
+        self.folded = 0  # the serial of the last entry in its file, synced
+        self.error: OSError | None = None  # the last fold's failure, until one succeeds
+        self._closing = False
+        self._hurry = False
+        self.folding = threading.Lock()  # held while the files change; `load` takes it
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def add(self, entries: list[tuple[int, Entry]]) -> None:
+        with self._cond:
+            if not self.pending:  # the folder waits for the first only (then lets more gather)
+                self._cond.notify_all()
+            self.pending.extend(entries)
+
+    def unfolded(self) -> list[Entry]:
+        with self._cond:
+            return [entry for _serial, entry in self.pending]
+
+    def caught_up(self, serial: int, within: float = 0.0) -> bool:
+        """Whether every entry up to `serial` is in its file (waiting up to `within` s, or until
+        a fold fails)."""
+        with self._cond:
+            if within > 0 and self.folded < serial:
+                self._hurry = True  # the writer waits: no time to let a group gather
+                self._cond.notify_all()
+            return (
+                self._cond.wait_for(
+                    lambda: self.folded >= serial or (within > 0 and self.error is not None), within
+                )
+                and self.folded >= serial
+            )
+
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """End the thread once what is pending is folded (or its fold failed: the journal keeps
+        it for the next start)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+
+    def close(self, within: float) -> None:
+        """stop, and wait up to `within` s for the thread to end; then its directory is closed."""
+        self.stop()
+        self._thread.join(within)
+        if not self._thread.is_alive() and self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
+
+    def _loop(self) -> None:
+        backoff = FOLD_RETRY
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self.pending or self._closing)
+                if not self.pending:
+                    return
+                self._cond.wait_for(lambda: self._closing or self._hurry, FOLD_AFTER)
+                self._hurry = False
+            error = self.fold_pending()
+            if error is None:
+                backoff = FOLD_RETRY
+                continue
+            log.error(
+                "records in %s: the journal's changes cannot be written to their files "
+                "(%s): tried again in %gs",
+                self._directory,
+                error,
+                backoff,
+            )
+            with self._cond:
+                if self._cond.wait_for(lambda: self._closing, backoff):
+                    return  # the journal keeps them: the next start folds them
+            backoff = min(2 * backoff, FOLD_RETRY_MAX)
+
+    def fold_pending(self) -> OSError | None:
+        with self.folding:
+            with self._cond:
+                batch = list(self.pending)
+            error = self.fold([entry for _serial, entry in batch])
+            with self._cond:
+                self.error = error
+                if error is None:
+                    del self.pending[: len(batch)]
+                    self.folded = batch[-1][0]
+                self._cond.notify_all()
+        return error
+
+    def fold(self, entries: list[Entry]) -> OSError | None:
+        """Each record's last change among the entries in its file, and the directory synced."""
+        last = list({entry.name: entry for entry in entries}.values())
+        steps = [
+            ("" if e.data is None else f".{e.name}.{next(self._serial)}.tmp", e.name, e.data)
+            for e in last
+        ]
+        if self._native:
+            errors, dir_error = native.commit_group(self._dir_fd, steps)
+        else:
+            errors, dir_error = self._commit_python(steps)
+        for (_tmp, name, _data), error in zip(steps, errors, strict=True):
+            if error:
+                return OSError(error, os.strerror(error), str(self._directory / name))
+        if dir_error:
+            return OSError(dir_error, os.strerror(dir_error), str(self._directory))
+        return None
+
+    def _commit_python(self, steps: list[tuple[str, str, bytes | None]]) -> tuple[list[int], int]:
+        """commit_group's steps, one by one, with the test's fsync."""
+        errors = [self._stage(tmp, data) for tmp, _name, data in steps]
+        for i, (tmp, name, data) in enumerate(steps):
+            if not errors[i]:
+                errors[i] = self._apply(tmp, name, data)
+        try:
+            self._fsync(self._dir_fd)
+        except OSError as exc:
+            return errors, exc.errno or errno.EIO
+        return errors, 0
+
+    def _stage(self, tmp: str, data: bytes | None) -> int:
+        if data is None:
+            return 0
+        try:
+            _write_synced(self._directory / tmp, data, self._fsync)
+        except OSError as exc:
+            (self._directory / tmp).unlink(missing_ok=True)
+            return exc.errno or errno.EIO
+        return 0
+
+    def _apply(self, tmp: str, name: str, data: bytes | None) -> int:
+        try:
+            if data is None:
+                (self._directory / name).unlink(missing_ok=True)
+            else:
+                os.rename(self._directory / tmp, self._directory / name)
+        except OSError as exc:
+            return exc.errno or errno.EIO
+        return 0
+
+
+class _Writer:
+    """One thread that keeps a directory's changes in groups, in the order they were queued:
+    each group appended to the journal and synced once, then acknowledged, then handed to the
+    folder. The journal starts a new generation when the folder has caught up and more than
+    RESET_AFTER bytes of it are used (what a crash leaves to write again is little), or,
+    waiting for the folder, when a group does not fit; and at the close, once the folder is done.
+    """
+
+    def __init__(self, directory: Path, name: str, fsync: Fsync, capacity: int) -> None:
+        self._directory = directory
+        self._fsync = fsync
+        self._capacity = capacity
+        self._sync = os.fdatasync if fsync is os.fsync else fsync
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._dir_fd = dir_fd
+        self.folder = _Folder(directory, dir_fd, f"{name}-fold", fsync)
+        try:
+            self._journal = self._recover() or self._made()
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        self._appended = 0  # the serial of the last change appended
         self._queue: queue.SimpleQueue[Change | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.folder.start()
         self._thread.start()
+
+    def _recover(self) -> Journal | None:
+        """The journal left by the last run, its entries written into their files (raises
+        FeosError if they cannot be: the journal is kept) and a new generation started."""
+        (self._directory / f"{JOURNAL}.tmp").unlink(missing_ok=True)
+        try:
+            found = Journal.recover(self._directory, self._sync)
+        except ValueError as exc:
+            aside = self._directory / f"{JOURNAL}.broken-{int(time.time())}"
+            log.error("records in %s: %s: moved aside to %s", self._directory, exc, aside.name)
+            os.rename(self._directory / JOURNAL, aside)
+            return None
+        if found is None:
+            return None
+        journal, entries = found
+        try:
+            error = self.folder.fold(entries) if entries else None
+            if error is not None:
+                raise FeosError(
+                    Code.UNAVAILABLE,
+                    f"records in {self._directory}: {len(entries)} changes of the journal could "
+                    f"not be written to their files ({error}); the journal is kept",
+                )
+            journal.reset(0)
+        except BaseException:
+            journal.close()
+            raise
+        return journal
+
+    def _made(self) -> Journal | None:
+        """A new journal; None if it cannot be made now (the first change tries again)."""
+        try:
+            return self._make(self._capacity)
+        except OSError as exc:
+            log.warning("records in %s: no journal yet (%s)", self._directory, exc)
+            return None
+
+    def _make(self, capacity: int) -> Journal:
+        return Journal.make(self._directory, self._dir_fd, capacity, self._sync, self._fsync)
 
     def submit(self, change: Change) -> None:
         self._queue.put(change)
 
     def close(self, within: float) -> None:
         """End the thread once what is queued is kept, waiting for that (within `within` s): a
-        change whose caller went (a create cut by feosd's stop) lands before the process ends."""
+        change whose caller went (a create cut by feosd's stop) lands before the process ends;
+        then the folder, once it has written what the journal holds into the files."""
         self._queue.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(within)
+        if threading.current_thread() is self._thread:
+            return
+        deadline = time.monotonic() + within
+        self._thread.join(within)
+        self.folder.close(max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive() or self.folder.running():
+            return  # still at work after the bound: the process's end closes what they hold
+        if self._journal is not None:
+            self._close_journal(self._journal)
+            self._journal = None
+
+    def _close_journal(self, journal: Journal) -> None:
+        """Emptied (a new generation) if the files hold all it held, so that the next start has
+        nothing to write again; then closed."""
+        try:
+            if self.folder.caught_up(self._appended):
+                journal.reset(0)
+        except OSError as exc:
+            log.warning("records in %s: the journal is not emptied (%s)", self._directory, exc)
+        finally:
+            journal.close()
 
     def _loop(self) -> None:
         try:
@@ -273,7 +525,7 @@ class _Writer:
                 if group:
                     self._commit(group)
         finally:
-            os.close(self._dir_fd)
+            self.folder.stop()
 
     def _take(self) -> list[Change] | None:
         """Every change queued (waiting for the first); None once closed."""
@@ -293,78 +545,55 @@ class _Writer:
 
     def _commit(self, group: list[Change]) -> None:
         live = [c for c in group if not self._given_up(c)]
-        for change in live:
-            if change.data is not None:
-                change.tmp = change.path.with_name(
-                    f".{change.path.name}.{next(self._serial)}.tmp"
-                )
-        applied = self._commit_native(live) if self._native else self._commit_python(live)
-        if applied:
-            _settle_kept(applied)
+        if not live:
+            return
+        entries = [Entry(c.path.name, c.data) for c in live]
+        try:
+            journal = self._room(sum(entry_size(e.name, e.data) for e in entries))
+            journal.append(entries)
+        except (OSError, FeosError) as exc:
+            for change in live:
+                change.settle(exc)
+            return
+        first = self._appended + 1
+        self._appended += len(entries)
+        self.folder.add(list(enumerate(entries, first)))
+        _settle_kept(live)
 
     def _given_up(self, change: Change) -> bool:
         if change.abandoned:
             change.settle(FeosError(Code.DEADLINE_EXCEEDED, f"record {change.path}: given up"))
         return change.abandoned
 
-    def _commit_native(self, changes: list[Change]) -> list[Change]:
-        """The group's steps in one call; the changes applied and their directory synced."""
-        errors, dir_error = native.commit_group(
-            self._dir_fd,
-            [("" if c.tmp is None else c.tmp.name, c.path.name, c.data) for c in changes],
+    def _room(self, size: int) -> Journal:
+        """The journal, with room for `size` bytes of entries after its last ones."""
+        journal = self._journal
+        if journal is None:
+            journal = self._journal = self._make(max(self._capacity, size))
+            return journal
+        if journal.fits(size) and not (
+            journal.used > RESET_AFTER and self.folder.caught_up(self._appended)
+        ):
+            return journal
+        if not self.folder.caught_up(self._appended, WRITE_TIMEOUT):
+            raise self._full()
+        journal.reset(size)
+        return journal
+
+    def _full(self) -> FeosError:
+        error = self.folder.error
+        if error is None:
+            return FeosError(
+                Code.UNAVAILABLE,
+                f"records in {self._directory}: the journal is "
+                f"full and its changes were not written to their files in time",
+            )
+        code = Code.RESOURCE_EXHAUSTED if error.errno == errno.ENOSPC else Code.UNAVAILABLE
+        return FeosError(
+            code,
+            f"records in {self._directory}: the journal is full and its "
+            f"changes cannot be written to their files ({error})",
         )
-        applied = []
-        for change, error in zip(changes, errors, strict=True):
-            if error:
-                change.settle(OSError(error, os.strerror(error), str(change.path)))
-            else:
-                applied.append(change)
-        return self._settle_dir_error(applied, dir_error)
-
-    def _commit_python(self, changes: list[Change]) -> list[Change]:
-        staged = [c for c in changes if self._stage(c)]
-        applied = [c for c in staged if self._apply(c)]
-        if not applied:
-            return []
-        try:
-            self._fsync(self._dir_fd)
-        except OSError as exc:
-            return self._settle_dir_error(applied, exc.errno or 0, exc)
-        return applied
-
-    def _settle_dir_error(
-        self, applied: list[Change], error: int, exc: OSError | None = None
-    ) -> list[Change]:
-        """The changes whose directory was synced: all, or none (each told why)."""
-        if not error:
-            return applied
-        failure = exc or OSError(error, os.strerror(error), str(self._directory))
-        for change in applied:
-            change.settle(failure)
-        return []
-
-    def _stage(self, change: Change) -> bool:
-        """A put's temporary file, written and synced; False (and settled) if that failed."""
-        if change.tmp is None:
-            return True
-        try:
-            _write_synced(change.tmp, change.data or b"", self._fsync)
-        except OSError as exc:
-            change.tmp.unlink(missing_ok=True)
-            change.settle(exc)
-            return False
-        return True
-
-    def _apply(self, change: Change) -> bool:
-        try:
-            if change.tmp is None:
-                change.path.unlink(missing_ok=True)
-            else:
-                os.rename(change.tmp, change.path)
-        except OSError as exc:
-            change.settle(exc)
-            return False
-        return True
 
 
 class RecordDir:
@@ -380,11 +609,14 @@ class RecordDir:
         *,
         thread_name: str | None = None,
         fsync: Fsync = os.fsync,
+        journal_bytes: int = JOURNAL_BYTES,
     ) -> None:
         self.directory = directory
         self.struct = struct
         directory.mkdir(parents=True, exist_ok=True)
-        self._writer = _Writer(directory, thread_name or f"records-{directory.name}", fsync)
+        self._writer = _Writer(
+            directory, thread_name or f"records-{directory.name}", fsync, journal_bytes
+        )
 
     def path(self, record_id: str) -> Path:
         return self.directory / f"{record_id}{SUFFIX}"
@@ -418,7 +650,21 @@ class RecordDir:
         await self.submit_remove(record_id, lambda: None).wait(within)
 
     def load(self) -> dict[str, dict[str, Any]]:
-        """Every record as a dict; broken ones reported and moved aside."""
+        """Every record as a dict: its file, or its change in the journal not yet written there
+        (the folder waits meanwhile); broken files reported and moved aside."""
+        folder = self._writer.folder
+        with folder.folding:
+            found = self._read_files()
+            pending = folder.unfolded()
+        for entry in pending:
+            record_id = entry.name[: -len(SUFFIX)]
+            if entry.data is None:
+                found.pop(record_id, None)
+            else:
+                found[record_id] = self.struct.from_bytes_packed(entry.data).to_dict()
+        return found
+
+    def _read_files(self) -> dict[str, dict[str, Any]]:
         found: dict[str, dict[str, Any]] = {}
         for path in sorted(self.directory.glob(f"*{SUFFIX}")):
             record_id = path.name[: -len(SUFFIX)]

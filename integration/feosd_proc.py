@@ -137,6 +137,20 @@ def running_pod(node: Any, pod_id: str, *create: str) -> dict[str, Any]:
     return dict(pod)
 
 
+def records_gone(directory: Path, *names: str, within: float = 10.0) -> bool:
+    """Whether the record files `names` (every `*.pb` if none) are gone from directory, waiting
+    up to `within` s: a change is answered once it is in the records' journal, and its file is
+    written (or removed) by feosd's folder a moment after (feos/records.py)."""
+    deadline = time.monotonic() + within
+    while True:
+        left = [directory / n for n in names] if names else list(directory.glob("*.pb"))
+        if not any(path.exists() for path in left):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+
+
 def end_microvms(state_dir: Path) -> None:
     """Kill the microVMs of a test's feosd (they outlive it by design) and remove their cgroups.
 

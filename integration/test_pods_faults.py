@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from feosd_proc import running_pod
+from feosd_proc import records_gone, running_pod
 from podnet import IMAGE, PodNet
 
 F1, F2, F3 = "fa0000000aa", "fb0000000bb", "fc0000000cc"
@@ -65,7 +65,7 @@ def assert_gone(net: PodNet, pod_id: str) -> None:
     assert net.ctl("pod", "get", pod_id, check=False).returncode == 15
     assert pod_id not in net.qemus()
     assert f"pod-{pod_id}" not in net.links()
-    assert not (net.state_dir / "pods" / f"{pod_id}.pb").exists()
+    assert records_gone(net.state_dir / "pods", f"{pod_id}.pb")
     assert not (net.state_dir / "disk" / "disks" / pod_id).exists()
     assert not (net.state_dir / "vms" / "qemu" / pod_id).exists()
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from feosd_proc import Feosd, end_microvms, running_pod
+from feosd_proc import Feosd, end_microvms, records_gone, running_pod
 
 VOLUME = "3f0c2a51-6b7e-4d1c-9a8f-2e5d4c3b2a10"
 SPEC = {"network": {"none": None}, "memoryMib": 256,
@@ -157,5 +157,5 @@ def test_delete_leaves_the_volume_available(node: Feosd, pod_a: str) -> None:
     assert volume["podId"] == ""
     assert volume["formatted"] is True
     assert not (node.state_dir / "disk" / "disks" / "pa00000001a").exists()
-    assert not (node.state_dir / "pods" / "pa00000001a.pb").exists()
+    assert records_gone(node.state_dir / "pods", "pa00000001a.pb")
     assert not list(node.state_dir.glob("vms/qemu/pa00000001a"))

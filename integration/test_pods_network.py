@@ -17,7 +17,7 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
-from feosd_proc import running_pod
+from feosd_proc import records_gone, running_pod
 from podnet import BAD_USER_IMAGE, IMAGE, IPV4_RANGE, PREFIX, REGISTRY_NAME, REGISTRY_V4, PodNet
 
 VOLUME = "6a1f0c3e-2b4d-4e8f-9a7c-5d3e2f1a0b9c"
@@ -161,7 +161,7 @@ def test_delete_frees_the_volume_for_a_second_pod(net: PodNet, pod_a: str) -> No
     assert (volume["state"], volume["podId"]) == ("available", "")
     assert A not in net.qemus()
     assert f"pod-{A}" not in net.links()
-    assert not (net.state_dir / "pods" / f"{A}.pb").exists()
+    assert records_gone(net.state_dir / "pods", f"{A}.pb")
     assert not (net.state_dir / "disk" / "disks" / A).exists()
     assert not (net.state_dir / "vms" / "qemu" / A).exists()
 
@@ -218,7 +218,7 @@ def test_deleting_every_pod_leaves_nothing(net: PodNet) -> None:
     assert net.ctl_json("pod", "list") == []
     assert net.qemus() == {}
     assert not [name for name in net.links() if name.startswith("pod-")]
-    assert list((net.state_dir / "pods").glob("*.pb")) == []
+    assert records_gone(net.state_dir / "pods")
     # the pods' disks went with them; the volume's stays (it outlives its pods)
     assert {d.name for d in (net.state_dir / "disk" / "disks").glob("*")} <= {VOLUME}
     assert list((net.state_dir / "vms" / "qemu").glob("*")) == []

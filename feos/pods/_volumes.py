@@ -162,10 +162,12 @@ class VolumeService:
             Volume.from_dict,
             self._answer,
         )
-        # What the API answers: each volume as a Cap'n Proto reader, the mapping replaced whole
-        # on a change so that the reads on the RPC thread never see it change under them.
+        # What the API answers: each volume as a Cap'n Proto reader. A change sets or drops one
+        # key in place (copying the mapping made each create cost the number of volumes); a
+        # read on the RPC thread is one step under the GIL (a get) or holds the lock (a list),
+        # so it sees the mapping before a change or after it, never during.
         self._answers: dict[str, Any] = {}
-        self._answering = threading.Lock()  # two threads replace it: neither loses the other's
+        self._answering = threading.Lock()  # two threads change it: their steps stay whole
 
     def load(self) -> None:
         self.store.load()
@@ -182,13 +184,13 @@ class VolumeService:
         return volume
 
     def _answer(self, volume_id: str, reader: Any) -> None:
-        """Once a change is kept: the answers replaced whole, with the record's reader (on the
-        thread of the change: trio's, or the Cap'n Proto thread's for a create)."""
+        """Once a change is kept: the record's reader in the answers (on the thread of the
+        change: trio's, or the Cap'n Proto thread's for a create)."""
         with self._answering:
             if reader is None:
-                self._answers = {k: v for k, v in self._answers.items() if k != volume_id}
+                self._answers.pop(volume_id, None)
             else:
-                self._answers = {**self._answers, volume_id: reader}
+                self._answers[volume_id] = reader
 
     async def _keep(self, volume: Volume) -> None:
         await self.store.put(volume.id, volume)
@@ -228,7 +230,9 @@ class VolumeService:
     @on_rpc_thread
     @takes(NoParams)
     def list_volumes(self, call: NoParams) -> dict[str, Any]:
-        return {"volumes": list(self._answers.values())}
+        with self._answering:  # a list is many steps: none of the changes' among them
+            volumes = list(self._answers.values())
+        return {"volumes": volumes}
 
     @takes(VolumeId)
     async def delete_volume(self, call: VolumeId) -> dict[str, Any]:

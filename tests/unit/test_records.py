@@ -21,7 +21,8 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feos import _schema, native
+from feos import _journal, _schema, native
+from feos._journal import Entry
 from feos._store import Store
 from feos.errors import Code, FeosError
 from feos.records import RecordDir, is_directory_fd, write_whole
@@ -115,8 +116,16 @@ def test_a_failed_write_leaves_the_old_record(tmp_path: Path) -> None:
 # -- group commit, order, deadlines, crash safety ------------------------------------------------
 
 
+def sync_kind(fd: int) -> str:
+    """What a sync is of: the records' journal, their directory, or a file (a record's)."""
+    if is_directory_fd(fd):
+        return "dir"
+    return "journal" if os.readlink(f"/proc/self/fd/{fd}").endswith("/.journal") else "file"
+
+
 class _Disk:
-    """An instrumented fsync: logs what it syncs, and can hold the writer until released."""
+    """An instrumented fsync: logs what it syncs, and can hold the writer in its journal's sync
+    until released (the folder's syncs are never held)."""
 
     def __init__(self) -> None:
         self.log: list[str] = []
@@ -125,19 +134,21 @@ class _Disk:
         self.entered = threading.Event()
 
     def fsync(self, fd: int) -> None:
-        self.entered.set()
-        self.hold.wait()
-        self.log.append("dir" if is_directory_fd(fd) else "file")
+        kind = sync_kind(fd)
+        if kind == "journal":
+            self.entered.set()
+            self.hold.wait()
+        self.log.append(kind)
         os.fsync(fd)
 
     async def held(self) -> None:
-        """Hold the writer in its next sync, and wait until it is there."""
+        """Hold the writer in its next sync of the journal, and wait until it is there."""
         self.entered.clear()
         self.hold.clear()
         await trio.to_thread.run_sync(self.entered.wait)
 
 
-async def test_records_written_together_share_one_directory_sync(tmp_path: Path) -> None:
+async def test_changes_queued_together_share_one_journal_sync(tmp_path: Path) -> None:
     disk = _Disk()
     records = RecordDir(tmp_path, _schema.volume().Volume, fsync=disk.fsync)
     try:
@@ -148,12 +159,16 @@ async def test_records_written_together_share_one_directory_sync(tmp_path: Path)
                 nursery.start_soon(records.put, f"v{n}", {"id": f"v{n}"})
             await trio.testing.wait_all_tasks_blocked()
             disk.hold.set()
-        assert disk.log.count("file") == 6
-        assert disk.log.count("dir") == 2  # one for the first, one for the five behind it
+        assert disk.log.count("journal") == 2  # one for the first, one for the five behind it
         assert set(records.load()) == {"first", "v0", "v1", "v2", "v3", "v4"}
     finally:
         disk.hold.set()
         records.close()
+    # the folder wrote them into their files: six files synced, in at most as many groups
+    assert 6 <= disk.log.count("file") and 1 <= disk.log.count("dir") <= 6
+    assert {p.name for p in tmp_path.glob("*.pb")} == {
+        "first.pb", "v0.pb", "v1.pb", "v2.pb", "v3.pb", "v4.pb"
+    }  # fmt: skip
 
 
 async def test_one_records_changes_in_one_group_land_in_their_order(tmp_path: Path) -> None:
@@ -178,31 +193,44 @@ async def test_one_records_changes_in_one_group_land_in_their_order(tmp_path: Pa
         loaded = records.load()
         assert set(loaded) == {"hold", "a"}
         assert loaded["a"]["sizeBytes"] == 3
-        assert disk.log.count("dir") <= 2
+        assert disk.log.count("journal") <= 2
     finally:
         disk.hold.set()
         records.close()
 
 
-async def test_an_acknowledged_record_was_synced_renamed_and_its_directory_synced(
+async def test_an_acknowledged_change_was_synced_in_the_journal_then_lands_in_its_file(
     tmp_path: Path,
 ) -> None:
     events: list[str] = []
 
     def fsync(fd: int) -> None:
         os.fsync(fd)
-        names = sorted(p.name for p in tmp_path.iterdir())
-        events.append(f"{'dir' if is_directory_fd(fd) else 'file'} {names}")
+        kind = sync_kind(fd)
+        if kind == "journal":
+            events.append(f"journal {[e.name for e in journal_entries(tmp_path)]}")
+        else:
+            events.append(f"{kind} {sorted(p.name for p in tmp_path.iterdir())}")
 
     records = RecordDir(tmp_path, _schema.volume().Volume, fsync=fsync)
+    events.clear()  # the journal's making
     try:
         await records.put("r", {"id": "r"})
         events.append("ack")
     finally:
         records.close()
-    # the temporary file synced, then renamed (only r.pb left), then the directory synced
-    assert events[0].startswith("file ['.r.pb.")
-    assert events[1:] == ["dir ['r.pb']", "ack"]
+    # in the journal, synced, before the answer; then its file synced, renamed, the directory
+    # synced; then the journal emptied (a new generation) at the close
+    assert events[:2] == ["journal ['r.pb']", "ack"]
+    assert events[2].startswith("file ['.journal', '.r.pb.")
+    assert events[3:] == ["dir ['.journal', 'r.pb']", "journal []"]
+
+
+def journal_entries(directory: Path) -> list[Entry]:
+    raw = (directory / ".journal").read_bytes()
+    generation = _journal.current_generation(raw[: _journal.HEAD])
+    assert generation is not None
+    return _journal.decode_entries(raw[_journal.HEAD :], generation)
 
 
 async def test_a_write_not_kept_in_time_fails_naming_the_record(tmp_path: Path) -> None:
@@ -232,6 +260,7 @@ async def test_a_cancelled_caller_still_sees_its_write_through(tmp_path: Path) -
         async with trio.open_nursery() as nursery:
             nursery.start_soon(store.put, "hold", "hold")
             await disk.held()
+
             async def release() -> None:
                 await trio.testing.wait_all_tasks_blocked()
                 disk.hold.set()
@@ -306,9 +335,11 @@ def test_a_change_from_asyncio_is_acknowledged_there_once_synced(tmp_path: Path)
 
     def fsync(fd: int) -> None:
         os.fsync(fd)
-        events.append(f"{'dir' if is_directory_fd(fd) else 'file'} {threading.current_thread().name}")
+        if sync_kind(fd) == "journal":
+            events.append(f"journal {threading.current_thread().name}")
 
     records = RecordDir(tmp_path, _schema.volume().Volume, fsync=fsync)
+    events.clear()  # the journal's making
 
     async def main() -> None:
         def kept(_reader: object) -> None:
@@ -322,9 +353,10 @@ def test_a_change_from_asyncio_is_acknowledged_there_once_synced(tmp_path: Path)
     finally:
         records.close()
     writer = "records-" + tmp_path.name
-    # synced and its directory synced by the writer; its memory changed and its caller answered
-    # on the asyncio thread, in that order: no other loop in between
-    assert events == [f"file {writer}", f"dir {writer}", "kept asyncio", "ack asyncio"]
+    # synced in the journal by the writer; its memory changed and its caller answered on the
+    # asyncio thread, in that order: no other loop in between (then the journal emptied by the
+    # close)
+    assert events == [f"journal {writer}", "kept asyncio", "ack asyncio", "journal MainThread"]
     assert set(records.load()) == {"r"}
 
 
@@ -351,7 +383,8 @@ def test_changes_from_asyncio_share_a_directory_sync_and_keep_their_order(tmp_pa
         disk.hold.set()
         records.close()
     assert seen == [1, 2, 3, 4, 5]  # the memory follows the disk, in the order asked for
-    assert disk.log.count("dir") == 2  # one for the first, one for the five behind it
+    # one for the first, one for the five behind it, one to empty it at the close
+    assert disk.log.count("journal") == 3
     assert records.load()["a"]["sizeBytes"] == 5
 
 
@@ -411,35 +444,40 @@ trio.run(main)
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
 @pytest.mark.skipif(not native.available(), reason="feos._native is not built")
-def test_the_native_group_commit_syncs_the_file_then_renames_then_syncs_the_directory(
+def test_each_change_is_in_the_synced_journal_before_its_answer_then_folded_natively(
     tmp_path: Path,
 ) -> None:
-    """The default writer's steps, as the kernel sees them: each record's temporary file synced,
-    then renamed over the record, then the directory synced, and only then the caller told."""
+    """The default writer's steps, as the kernel sees them: each change written into the journal
+    and the journal synced (fdatasync) before its caller is told; later, by the folder, each
+    record's temporary file synced, renamed over the record, and the directory synced."""
     trace = tmp_path / "trace"
     records = tmp_path / "records"
     subprocess.run(
-        ["strace", "-f", "-y", "-o", str(trace), "-e", "trace=fsync,rename,renameat,renameat2,write",
+        ["strace", "-f", "-y", "-s", "4096", "-o", str(trace), "-e",
+         "trace=fsync,fdatasync,pwrite64,rename,renameat,renameat2,write",
          sys.executable, "-c", TRACED, str(records)],
         check=True, stdout=subprocess.DEVNULL, timeout=120,
     )  # fmt: skip
     lines = trace.read_text().splitlines()
 
-    def first(pattern: str) -> int:
-        found = [i for i, line in enumerate(lines) if re.search(pattern, line)]
-        assert found, f"no {pattern!r} in the trace"
+    def first(pattern: str, after: int = -1) -> int:
+        found = [i for i, line in enumerate(lines) if re.search(pattern, line) and i > after]
+        assert found, f"no {pattern!r} in the trace after line {after}"
         return found[0]
 
+    journal = rf"\d+<{records}/\.journal>"
     for n in range(8):
+        acked = first(rf'write\(1<[^>]*>, "acked v{n}"')
+        written = first(rf'pwrite64\({journal}, ".*v{n}\.pb')
+        journal_synced = first(rf"fdatasync\({journal}\)", written)
+        assert written < journal_synced < acked, f"v{n}: {lines[written : acked + 1]}"
         synced = first(rf"fsync\(\d+<{records}/\.v{n}\.pb\.\d+\.tmp>\)")
         # renameat in the directory: the native call's (Python's own would rename by path)
-        renamed = first(rf'renameat\(\d+<{records}>, "\.v{n}\.pb\.\d+\.tmp", \d+<{records}>, "v{n}\.pb"')
-        acked = first(rf'write\(1<[^>]*>, "acked v{n}"')
-        dir_synced = [
-            i for i, line in enumerate(lines)
-            if re.search(rf"fsync\(\d+<{records}>\)", line) and renamed < i < acked
-        ]  # fmt: skip
-        assert synced < renamed < acked and dir_synced, f"v{n}: {lines[synced:acked + 1]}"
+        renamed = first(
+            rf'renameat\(\d+<{records}>, "\.v{n}\.pb\.\d+\.tmp", \d+<{records}>, "v{n}\.pb"'
+        )
+        dir_synced = first(rf"fsync\(\d+<{records}>\)", renamed)
+        assert synced < renamed < dir_synced, f"v{n}: {lines[synced : dir_synced + 1]}"
 
 
 def test_close_waits_for_a_change_whose_caller_went(tmp_path: Path) -> None:
@@ -462,3 +500,10 @@ def test_close_waits_for_a_change_whose_caller_went(tmp_path: Path) -> None:
         disk.hold.set()
     assert (tmp_path / "a.pb").exists()
     assert records.load().keys() == {"a"}
+
+
+def test_close_twice_is_one_close(tmp_path: Path) -> None:
+    records = RecordDir(tmp_path, _schema.volume().Volume)
+    records.close()
+    records.close()
+    assert records.load() == {}
