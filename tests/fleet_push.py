@@ -41,6 +41,7 @@ from feos.fleet._tls import TLSSocket
 ALPN = "feos-node/1"
 SERVER_NAME = "control-plane.feos.test"
 ITEM = struct.Struct(">I")
+SEND_EVERY = 64  # calls queued in one turn sent by their task: the node starts on them sooner
 
 
 def results_module(service: str, method: str) -> Any:
@@ -153,6 +154,7 @@ class PushClient:
         self.pings_seen = 0
         self.received = 0  # bytes the node sent
         self.ignore_limit = False  # open streams past the node's MAX_CONCURRENT_STREAMS
+        self._unsent = 0  # calls queued for the writer
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -183,6 +185,7 @@ class PushClient:
                 return
 
     def _send_now(self) -> None:
+        self._unsent = 0
         data = self.h2.data_to_send() + self._raw
         self._raw = b""
         if data:
@@ -285,9 +288,11 @@ class PushClient:
                              end_stream=not body and end)
         if body:
             self._send_body(sid, body, end)
-        if len(self._pending) == 1 and isinstance(self.wire, TLSSocket):
+        self._unsent += 1
+        if isinstance(self.wire, TLSSocket) and (len(self._pending) == 1
+                                                 or self._unsent >= SEND_EVERY):
             try:
-                self._send_now()  # alone: no hop to the writer
+                self._send_now()  # alone, or a batch: no hop to the writer
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # the reader sees the end
         self._dirty.set()

@@ -164,8 +164,6 @@ class ServerCore:
     def __init__(self, *, max_streams: int = MAX_STREAMS, max_body: int = MAX_BODY,
                  ping_interval: float = 10.0, ping_timeout: float = 20.0) -> None:
         config = h2.config.H2Configuration(client_side=False, header_encoding=None,
-                                           validate_inbound_headers=False,
-                                           normalize_inbound_headers=False,
                                            validate_outbound_headers=False,
                                            normalize_outbound_headers=False)
         self._h2 = _Refusing(config)
