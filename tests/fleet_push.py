@@ -44,14 +44,20 @@ ITEM = struct.Struct(">I")
 SEND_EVERY = 64  # calls queued in one turn sent by their task: the node starts on them sooner
 
 
+@functools.cache
 def results_module(service: str, method: str) -> Any:
     m = INTERFACES[service]().schema.methods[method]
     return _struct(m.result_type, f"{method}$Results")
 
 
-def params_body(service: str, method: str, params: Mapping[str, Any]) -> bytes:
+@functools.cache
+def params_module(service: str, method: str) -> Any:
     m = INTERFACES[service]().schema.methods[method]
-    return bytes(_struct(m.param_type, f"{method}$Params").new_message(**params).to_bytes())
+    return _struct(m.param_type, f"{method}$Params")
+
+
+def params_body(service: str, method: str, params: Mapping[str, Any]) -> bytes:
+    return bytes(params_module(service, method).new_message(**params).to_bytes())
 
 
 def decode(module: Any, body: bytes) -> dict[str, Any]:
