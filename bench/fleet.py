@@ -177,22 +177,27 @@ async def bench(tmp: Path) -> tuple[float, float, float, float]:
             socket_rate: list[float] = []
             await node_rounds(client, volume)  # warm both ways in
             await trio.to_thread.run_sync(socket_rounds, side, volume)
-            cpu = {"node": 0.0, "control plane": 0.0}
+            pushed = {"node": 0.0, "control plane": 0.0}
+            direct = {"node": 0.0, "client": 0.0}
             for _ in range(ROUNDS):
                 before = cpu_seconds(node.pid), cpu_seconds(os.getpid())
                 samples, rate = await node_rounds(client, volume)
-                cpu["node"] += cpu_seconds(node.pid) - before[0]
-                cpu["control plane"] += cpu_seconds(os.getpid()) - before[1]
+                after = cpu_seconds(node.pid), cpu_seconds(os.getpid())
+                pushed["node"] += after[0] - before[0]
+                pushed["control plane"] += after[1] - before[1]
                 node_single += samples
                 node_rate.append(rate)
                 samples, rate = await trio.to_thread.run_sync(socket_rounds, side, volume)
+                direct["node"] += cpu_seconds(node.pid) - after[0]
+                direct["client"] += cpu_seconds(os.getpid()) - after[1]
                 socket_single += samples
                 socket_rate.append(rate)
             side.stop()
             await client.aclose()
             calls = ROUNDS * (SINGLE + BURST)
-            print("CPU per pushed call: " + ", ".join(
-                f"{who} {seconds / calls * 1e3:.3f} ms" for who, seconds in cpu.items()))
+            for what, cpu in (("pushed call", pushed), ("socket call", direct)):
+                print(f"CPU per {what}: " + ", ".join(
+                    f"{who} {seconds / calls * 1e3:.3f} ms" for who, seconds in cpu.items()))
         finally:
             assert node.stdin is not None
             node.stdin.close()

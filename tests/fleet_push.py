@@ -6,6 +6,11 @@ concurrent calls, a stream read item by item, a stream reset.
 `PushListener(ca)`: `ssl_context_for_node()` is the context the node dials with (it trusts the
 CA and shows a node certificate of the CA); `serve()` accepts; `accept()` is the next node's
 connection as a `PushClient`. `PushClient.run` is its loop (start it in a nursery).
+
+The listener does TLS with feos.fleet's TLSSocket, as the node does, so that the bench measures
+the node's side rather than trio.SSLStream's in the control plane. A call alone on the
+connection is written at once by its task; calls made while others are in flight are written by
+the writer task, all of a turn's together.
 """
 
 from __future__ import annotations
@@ -31,20 +36,28 @@ import trustme
 from feos._names import camel
 from feos.errors import Code, FeosError
 from feos.fleet._calls import INTERFACES, PULLS, _struct
+from feos.fleet._tls import TLSSocket
 
 ALPN = "feos-node/1"
 SERVER_NAME = "control-plane.feos.test"
 ITEM = struct.Struct(">I")
+SEND_EVERY = 64  # calls queued in one turn sent by their task: the node starts on them sooner
 
 
+@functools.cache
 def results_module(service: str, method: str) -> Any:
     m = INTERFACES[service]().schema.methods[method]
     return _struct(m.result_type, f"{method}$Results")
 
 
-def params_body(service: str, method: str, params: Mapping[str, Any]) -> bytes:
+@functools.cache
+def params_module(service: str, method: str) -> Any:
     m = INTERFACES[service]().schema.methods[method]
-    return bytes(_struct(m.param_type, f"{method}$Params").new_message(**params).to_bytes())
+    return _struct(m.param_type, f"{method}$Params")
+
+
+def params_body(service: str, method: str, params: Mapping[str, Any]) -> bytes:
+    return bytes(params_module(service, method).new_message(**params).to_bytes())
 
 
 def decode(module: Any, body: bytes) -> dict[str, Any]:
@@ -97,11 +110,34 @@ class _Counted(h2.connection.H2Connection):
         return int(self.count())
 
 
-class PushClient:
-    """The control plane's HTTP/2 client on one node connection."""
+class StreamWire:
+    """A trio stream as a TLSSocket is used here: write now, flush later."""
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
+        self.pending = bytearray()
+
+    async def receive(self) -> bytes:
+        return bytes(await self.stream.receive_some(256 * 1024))
+
+    def write(self, data: bytes) -> None:
+        self.pending += data
+
+    async def flush(self) -> None:
+        data, self.pending = bytes(self.pending), bytearray()
+        if data:
+            await self.stream.send_all(data)
+
+    async def aclose(self) -> None:
+        await trio.aclose_forcefully(self.stream)
+
+
+class PushClient:
+    """The control plane's HTTP/2 client on one node connection (a TLSSocket, or any trio
+    stream)."""
+
+    def __init__(self, stream: TLSSocket | trio.abc.Stream) -> None:
+        self.wire = stream if isinstance(stream, TLSSocket) else StreamWire(stream)
         # the node validates what it takes; the control plane's own side need not check itself
         self.h2 = _Counted(h2.config.H2Configuration(
             client_side=True, header_encoding=None, validate_outbound_headers=False,
@@ -124,6 +160,7 @@ class PushClient:
         self.pings_seen = 0
         self.received = 0  # bytes the node sent
         self.ignore_limit = False  # open streams past the node's MAX_CONCURRENT_STREAMS
+        self._unsent = 0  # calls queued for the writer
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -147,13 +184,18 @@ class PushClient:
         while True:
             await self._dirty.wait()
             self._dirty = trio.Event()
-            data = self.h2.data_to_send() + self._raw
-            self._raw = b""
-            if data:
-                try:
-                    await self.stream.send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    return
+            try:
+                self._send_now()
+                await self.wire.flush()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+
+    def _send_now(self) -> None:
+        self._unsent = 0
+        data = self.h2.data_to_send() + self._raw
+        self._raw = b""
+        if data:
+            self.wire.write(data)
 
     def send_raw(self, data: bytes) -> None:
         """Bytes sent as they are, after what h2 has to send (garbage, for the tests)."""
@@ -163,7 +205,7 @@ class PushClient:
     async def _reader(self) -> None:
         while True:
             try:
-                data = await self.stream.receive_some(256 * 1024)
+                data = await self.wire.receive()
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
             if not data:
@@ -237,9 +279,13 @@ class PushClient:
     async def request(self, path: str, body: bytes, *, method: bytes = b"POST",
                       end: bool = True) -> tuple[int, _Pending]:
         """A stream opened with the call's headers and body."""
-        await self._settled.wait()
+        if not self._settled.is_set():
+            await self._settled.wait()
         if not self.ignore_limit:
-            await self._slots.acquire()
+            try:
+                self._slots.acquire_nowait()  # no checkpoint: a call alone goes out at once
+            except trio.WouldBlock:
+                await self._slots.acquire()
         sid = self.h2.get_next_available_stream_id()
         pending = self._pending[sid] = _Pending()
         self.h2.send_headers(sid, [(b":method", method), (b":scheme", b"https"),
@@ -248,6 +294,13 @@ class PushClient:
                              end_stream=not body and end)
         if body:
             self._send_body(sid, body, end)
+        self._unsent += 1
+        if isinstance(self.wire, TLSSocket) and (len(self._pending) == 1
+                                                 or self._unsent >= SEND_EVERY):
+            try:
+                self._send_now()  # alone, or a batch: no hop to the writer
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the reader sees the end
         self._dirty.set()
         return sid, pending
 
@@ -313,14 +366,13 @@ class PushClient:
             self.h2.close_connection()
         except h2.exceptions.ProtocolError:
             pass
-        data = self.h2.data_to_send()
         with trio.move_on_after(2):
-            if data:
-                try:
-                    await self.stream.send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
-        await trio.aclose_forcefully(self.stream)
+            try:
+                self._send_now()
+                await self.wire.flush()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        await self.wire.aclose()
 
 
 def results_of(response: Response, module: Any) -> dict[str, Any]:
@@ -446,28 +498,27 @@ class PushListener:
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
         self.port = listeners[0].socket.getsockname()[1]
-        tls = [trio.SSLListener(lst, self.server_ctx, https_compatible=False)
-               for lst in listeners]
         async with trio.open_nursery() as nursery:
             task_status.started()
-            await trio.serve_listeners(self._take, tls, handler_nursery=nursery)
+            await trio.serve_listeners(self._take, listeners, handler_nursery=nursery)
 
-    async def _take(self, stream: trio.SSLStream[trio.SocketStream]) -> None:
-        """One node connection, its stream closed however it ends (serve_listeners closes
+    async def _take(self, tcp: trio.SocketStream) -> None:
+        """One node connection, its socket closed however it ends (serve_listeners closes
         none: a connection the test never took would be left to the garbage collector)."""
+        tls = TLSSocket.from_trio(tcp, self.server_ctx, server_side=True)
         try:
             try:
                 with trio.fail_after(10):
-                    await stream.do_handshake()
-            except (trio.BrokenResourceError, trio.TooSlowError):
+                    await tls.handshake()
+            except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError):
                 return
             self.accepted += 1
-            client = PushClient(stream)
+            client = PushClient(tls)
             async with trio.open_nursery() as nursery:
                 await nursery.start(client.run)
                 await self._send.send(client)
         finally:
-            await trio.aclose_forcefully(stream)
+            tls.close()
 
     async def accept(self) -> PushClient:
         """The next node connection, its HTTP/2 client running."""

@@ -18,7 +18,6 @@ from ._link import Link as Link
 from ._link import Runtime as Runtime
 from ._nodeconn import NodeConnections as NodeConnections
 from ._nodeconn import Target as Target
-from ._nodeconn import serve_connection as serve_connection
 from ._nodeconn import stop_message as stop_message
 from ._uplink import LinkConfig as LinkConfig
 from ._verify import Refused as Refused

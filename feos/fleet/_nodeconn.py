@@ -7,11 +7,16 @@ context it was given last (ALPN feos-node/1, which the peer must select), hands 
 connection that ends (the peer's EOF or GOAWAY, a protocol error, our ping unanswered) is dialed
 again after 1 s, doubling to 30 s while dials fail.
 
-A connection (`Connection`) is four kinds of task in one nursery: the reader feeds the core the
-peer's bytes and acts on its events; the writer sends what the core has to send, woken by whoever
-gave the core something to say (writes batch up); the ticker runs the core's pings; each call is a
-task in its own cancel scope, answered through the core. A stream the peer resets cancels its
-call's scope, which drops the call's wait on feosd's runtime.
+A connection (`Connection`) is four kinds of task in one nursery over a `TLSSocket` (feos.fleet's
+own TLS over the socket: trio.SSLStream's task hops and checkpoints cost more than a call's own
+work). The reader feeds the core the peer's bytes, acts on its events, and sends what they made
+in the same turn (one TLS write and one send for all the answers of one read: a plain read such
+as GetVolume is answered without a task or a hop); the writer sends what the core has to say
+when the rest gave it something (the calls' tasks, the pings: their writes batch up) and waits
+for the socket when it does not take everything; the ticker runs the core's pings; each call
+that runs elsewhere is a task in its own cancel scope, answered through the core. A stream the
+peer resets cancels its call's scope, which drops the call's wait on feosd's runtime. While more
+than MAX_PENDING bytes wait for the socket, the reader reads no more.
 
 `shut(grace, message)` is the graceful end: the core's GOAWAY, the calls in flight given `grace`
 seconds, those left cancelled and answered UNAVAILABLE `message` (as their answer, or as a
@@ -42,6 +47,7 @@ from ._h2server import (
     ServerCore,
     StreamGone,
 )
+from ._tls import TLSSocket
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +58,8 @@ HANDSHAKE_TIMEOUT = 10.0
 CLOSE_WITHIN = 5.0
 DRAIN_GRACE = 30.0  # a renewal's or a dropped target's connection: its calls' time to end
 USER_TIMEOUT_MS = 20_000
-RECEIVE_SIZE = 256 * 1024
 STREAM_BUFFER = 256 * 1024
+MAX_PENDING = 4 * 1024 * 1024  # bytes for the socket past which the reader waits for it
 LINGER = 0.5  # a stream's bytes waiting for window before its next pull
 
 
@@ -69,12 +75,12 @@ def stop_message(grace: float) -> str:
 
 
 class Connection:
-    """One HTTP/2 connection, feosd the server, over `stream` (any trio stream)."""
+    """One HTTP/2 connection, feosd the server, over `tls` (its handshake done)."""
 
-    def __init__(self, stream: trio.abc.Stream, dispatcher: Dispatcher, *,
+    def __init__(self, tls: TLSSocket, dispatcher: Dispatcher, *,
                  max_streams: int = 1024, ping_interval: float = 10.0,
                  ping_timeout: float = 20.0) -> None:
-        self.stream = stream
+        self.tls = tls
         self.dispatcher = dispatcher
         self.core = ServerCore(max_streams=max_streams, ping_interval=ping_interval,
                                ping_timeout=ping_timeout)
@@ -85,6 +91,7 @@ class Connection:
         self._dirty = trio.Event()
         self._rearmed = trio.Event()  # the core's deadline moved earlier (a ping answered)
         self._progress = trio.Event()
+        self._flushed = trio.Event()
         self._idle = trio.Event()
         self._closed = trio.Event()
         self._broken = False
@@ -108,8 +115,7 @@ class Connection:
         finally:
             with trio.CancelScope(shield=True):
                 await self._linger()
-                with trio.move_on_after(1.0):
-                    await self.stream.aclose()  # cut short: trio closes it forcefully
+                await self.tls.aclose()
             self._closed.set()
         assert self.ended is not None
         return self.ended
@@ -122,9 +128,9 @@ class Connection:
             return
         with trio.move_on_after(LINGER):
             try:
-                while await self.stream.receive_some(RECEIVE_SIZE):
+                while await self.tls.receive():
                     pass
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
 
     # -- the loop ------------------------------------------------------------------------------
@@ -132,19 +138,30 @@ class Connection:
     def _wake(self) -> None:
         self._dirty.set()
 
+    def _send_out(self) -> None:
+        """What the core has to send, written now; the writer woken for what the socket did
+        not take."""
+        data = self.core.data_to_send()
+        if data:
+            self.tls.write(data)
+        if self.tls.pending:
+            self._wake()
+
+    def _broke(self, exc: Exception) -> None:
+        self._broken = True
+        self._end(ConnectionEnded(0, f"the connection broke: {exc}", by_peer=True))
+
     async def _writer(self) -> None:
         while True:
-            data = self.core.data_to_send()
-            if data:
-                try:
-                    await self.stream.send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    self._broken = True
-                    self._end(ConnectionEnded(0, f"the connection broke: {exc}", by_peer=True))
-                    return
-                continue  # what the core gave meanwhile (a GOAWAY) goes out before the end
-            if self.core.ended is not None:
-                self._end(self.core.ended)
+            try:
+                self._send_out()
+                await self.tls.flush()
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                self._broke(exc)
+                return
+            self._flushed.set()
+            if self.core.ended is not None and not self._dirty.is_set():
+                self._end(self.core.ended)  # what it gave meanwhile (a GOAWAY) went out first
                 return
             await self._dirty.wait()
             self._dirty = trio.Event()
@@ -152,15 +169,18 @@ class Connection:
     async def _reader(self) -> None:
         while self.core.ended is None:
             try:
-                data = await self.stream.receive_some(RECEIVE_SIZE)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                self._broken = True
-                self._end(ConnectionEnded(0, f"the connection broke: {exc}", by_peer=True))
+                data = await self.tls.receive()
+                self._events(self.core.receive(data, trio.current_time()))
+                self._send_out()
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                self._broke(exc)
                 return
-            self._events(self.core.receive(bytes(data), trio.current_time()))
             self._progress.set()
             self._progress = trio.Event()
-            self._wake()
+            if len(self.tls.pending) > MAX_PENDING:
+                self._flushed = trio.Event()
+                await self._flushed.wait()
+        self._wake()  # the writer ends the connection
 
     async def _ticker(self) -> None:
         while self.core.ended is None:
@@ -272,15 +292,6 @@ class Connection:
                 await self._closed.wait()
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
-
-
-async def serve_connection(stream: trio.abc.Stream, dispatcher: Dispatcher, *,
-                           max_streams: int = 1024, ping_interval: float = 10.0,
-                           ping_timeout: float = 20.0) -> ConnectionEnded:
-    """feosd's HTTP/2 server over any trio stream (a test's, the bench's), until it ends."""
-    conn = Connection(stream, dispatcher, max_streams=max_streams, ping_interval=ping_interval,
-                      ping_timeout=ping_timeout)
-    return await conn.serve()
 
 
 # -- the dialers -------------------------------------------------------------------------------
@@ -476,22 +487,25 @@ class NodeConnections:
         tcp = await trio.open_tcp_stream(target.host, target.port)
         try:
             tune_socket(tcp.socket)
-            tls = trio.SSLStream(tcp, ctx, server_hostname=target.server_name,
-                                 https_compatible=False)
+        except BaseException:
+            await trio.aclose_forcefully(tcp)
+            raise
+        tls = TLSSocket.from_trio(tcp, ctx, server_hostname=target.server_name)
+        try:
             with trio.fail_after(HANDSHAKE_TIMEOUT):
-                await tls.do_handshake()
+                await tls.handshake()
             chosen = tls.selected_alpn_protocol()
             if chosen != self.alpn:
                 raise FeosError(Code.UNAVAILABLE,
                                 f"the control plane chose ALPN {chosen!r}, not {self.alpn}")
             if verify is not None:
-                try:  # trio forwards SSLObject's calls but hands out no SSLObject of its own
-                    verify(tls._ssl_object)
+                try:
+                    verify(tls.ssl_object)
                 except Exception as exc:
                     raise FeosError(Code.PERMISSION_DENIED,
                                     f"the control plane's certificate is refused: {exc}") from exc
         except BaseException:
-            await trio.aclose_forcefully(tcp)
+            tls.close()
             raise
         return Connection(tls, self.dispatcher, max_streams=self.max_streams,
                           ping_interval=self.ping_interval, ping_timeout=self.ping_timeout)
