@@ -29,6 +29,9 @@ log = logging.getLogger("feos.hostinit.dhcp6")
 SERVERS = "ff02::1:2"
 CLIENT_PORT, SERVER_PORT = 546, 547
 RT_MAX_S = 120.0
+# A message that cannot be sent yet (the link-local address still tentative, a second or two
+# after the link comes up) is tried again this soon, not after a retransmission's wait.
+SEND_AGAIN_S = 0.2
 
 
 @attrs.frozen
@@ -96,8 +99,10 @@ class Dhcp6Client:
                 await self._loop.sock_sendto(
                     self._sock, build(xid, elapsed), (SERVERS, SERVER_PORT, 0, self._scope)
                 )
-            except OSError as exc:  # no link-local address yet (DAD), no carrier
-                log.debug("DHCPv6: cannot send yet: %s", exc)
+            except OSError as exc:  # no link-local address yet (DAD), no carrier:
+                log.debug("DHCPv6: cannot send yet: %s", exc)  # sent once it can be
+                await asyncio.sleep(SEND_AGAIN_S)
+                continue
             wait = min(rt, until - self._loop.time())
             got = await self._answer(xid, want, wait)
             if got is not None:

@@ -173,3 +173,34 @@ def tcp_options(present: Iterable[str], cmdline: str) -> tuple[list[str], str]:
                 "it runs code as root")  # fmt: skip
     return [], (f"no API on TCP: the node has no {TCP_CLIENT_CA} (docs/host-init.md), and the "
                 f"command line does not say {TCP_INSECURE_WORD}")  # fmt: skip
+
+
+def pod_prefix_after_delegation(
+    current: ipaddress.IPv6Network | None,
+    delegated: ipaddress.IPv6Network | None,
+    fixed: bool,
+) -> tuple[ipaddress.IPv6Network | None, bool]:
+    """The pod prefix once DHCPv6 delegated `delegated` (None: its lease has no prefix), and
+    whether a feosd already running must start again to take it. The command line's prefix
+    (`fixed`) stays; a prefix lost keeps the one feosd runs with; a first delegation after feosd
+    started without one (DHCPv6 answered after its 30 s) is taken as a new one is."""
+    if fixed or delegated is None or delegated == current:
+        return current, False
+    return delegated, True
+
+
+# A line of diskd's or feosd's output as a /dev/kmsg record (host-init relays them: the console
+# then has the kernel's printk as its one writer, and a record is never split by another's).
+LINE_MAX = 900  # of a record's text: /dev/kmsg refuses records over 1024 bytes with its prefix
+_LEVELS = ((b" CRITICAL ", 2), (b" ERROR ", 3), (b" WARNING ", 4))
+
+
+def program_records(name: str, line: bytes) -> list[bytes]:
+    """One line of a program's output as /dev/kmsg records `<level>name: text\\n`, the level
+    its logging's where the line carries one (feos's format: `DATE TIME PROGRAM LEVEL ...`,
+    else info), a line too long for one record in pieces, a line's end and NULs dropped."""
+    text = line.rstrip(b"\r\n").replace(b"\0", b"")
+    head = text[:48]
+    level = next((lvl for word, lvl in _LEVELS if word in head), 6)
+    pieces = [text[i : i + LINE_MAX] for i in range(0, len(text), LINE_MAX)] or [b""]
+    return [b"<%d>%s: %s\n" % (level, name.encode(), p) for p in pieces]

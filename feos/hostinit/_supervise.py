@@ -6,6 +6,13 @@ status and followed by a start a second later (a loop that crashes at once costs
 second, never a spinning CPU). feosd gets the resolver's sockets at fds 3 and 4, as systemd
 hands them (LISTEN_FDS=2, LISTEN_FDNAMES=dns:dns, LISTEN_PID its own pid, which only the child
 knows: a shell sets it and execs feosd). While the node stops, nothing starts again.
+
+Their output (stdout and stderr, of every start and of their children) goes into one pipe per
+program that host-init keeps for the node's life; a thread reads it line by line and writes each
+line as a record of its own (`feosd: ...`) to `output`, /dev/kmsg on the node. The console then
+has one writer, the kernel's printk, whose records no other writer splits: host-init's lines and
+the programs' reach it whole and in order. A program that writes faster than the console prints
+waits on its full pipe; nothing is dropped.
 """
 
 from __future__ import annotations
@@ -16,34 +23,18 @@ import logging
 import os
 import signal
 import socket
+import threading
 from collections.abc import Callable, Sequence
 
 import attrs
 
+from ._plan import LINE_MAX, program_records
+
 log = logging.getLogger("feos.hostinit")
 
 RESTART_S = 1.0
-IP_FREEBIND = getattr(socket, "IP_FREEBIND", 15)
 DNS_FDS = (3, 4)
 _SET_PID = 'LISTEN_PID=$$; export LISTEN_PID; exec "$0" "$@"'
-
-
-def bind_resolver_sockets(
-    address: str = "169.254.0.53", port: int = 53
-) -> tuple[socket.socket, socket.socket]:
-    """The pods' resolver's UDP and listening TCP sockets, bound before the node holds the
-    address (IP_FREEBIND), handed to every feosd. feos.net's bind_dns_sockets does the same,
-    but importing feos.net costs PID 1 a second on the host, twenty under TCG."""
-    socks = []
-    for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
-        s = socket.socket(socket.AF_INET, kind)
-        s.setsockopt(socket.SOL_IP, IP_FREEBIND, 1)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((address, port))
-        if kind == socket.SOCK_STREAM:
-            s.listen(1024)
-        socks.append(s)
-    return socks[0], socks[1]
 
 
 @attrs.define
@@ -53,12 +44,31 @@ class Program:
     dns: bool = False  # hand it the resolver's sockets
     pid: int | None = None
     starts: int = 0
+    out: int | None = None  # the write end of its output's pipe, kept for the node's life
+
+
+def _relay(fd: int, name: str, output: Callable[[bytes], None]) -> None:
+    """A program's output, line by line, to `output` as records, for the node's life (the write
+    end stays open in host-init: the pipe never ends)."""
+    with os.fdopen(fd, "rb") as pipe:
+        while line := pipe.readline(4 * LINE_MAX):
+            for record in program_records(name, line):
+                try:
+                    output(record)
+                except OSError as exc:
+                    log.error("%s's output: a line lost: %s", name, exc)
 
 
 class Supervisor:
-    def __init__(self, dns: Sequence[socket.socket] = ()) -> None:
+    """`output` takes the programs' lines as records (_plan.program_records); None: they write
+    to host-init's own stdout and stderr."""
+
+    def __init__(
+        self, dns: Sequence[socket.socket] = (), output: Callable[[bytes], None] | None = None
+    ) -> None:
         self._programs: dict[str, Program] = {}
         self._dns = list(dns)
+        self._output = output
         self._stopping = False
         self._loop = asyncio.get_running_loop()
         self.ended: dict[str, asyncio.Event] = {}
@@ -69,6 +79,11 @@ class Supervisor:
     def add(self, program: Program) -> None:
         self._programs[program.name] = program
         self.ended[program.name] = asyncio.Event()
+        if self._output is not None and program.out is None:
+            read, program.out = os.pipe()
+            relay = threading.Thread(target=_relay, args=(read, program.name, self._output),
+                                     name=f"output of {program.name}", daemon=True)
+            relay.start()
         self._start(program)
 
     def pid(self, name: str) -> int | None:
@@ -81,11 +96,13 @@ class Supervisor:
         argv = p.argv()
         env = {k: v for k, v in os.environ.items() if not k.startswith("LISTEN_")}
         actions: list[tuple[int, int, int]] = []
+        if p.out is not None:  # before the sockets' dup2s, which may take the pipe's fd number
+            actions += [(os.POSIX_SPAWN_DUP2, p.out, 1), (os.POSIX_SPAWN_DUP2, p.out, 2)]
         if p.dns and self._dns:
             env.update(
                 LISTEN_FDS=str(len(self._dns)), LISTEN_FDNAMES=":".join(["dns"] * len(self._dns))
             )
-            actions = [
+            actions += [
                 (os.POSIX_SPAWN_DUP2, s.fileno(), fd)
                 for s, fd in zip(self._dns, DNS_FDS, strict=False)
             ]

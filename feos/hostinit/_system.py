@@ -1,6 +1,7 @@
 """The machine's setup as PID 1: the root off the initramfs, the filesystems, the modules, the
-console's log, SR-IOV, sysctls, power. The one place here that calls libc (mount, reboot) and
-raises OSError for it.
+console's log (host-init's and its programs'), the resolver's sockets, SR-IOV, sysctls, power.
+The one place here that calls libc (mount, reboot) and raises OSError for it. It imports little:
+it runs before the loop's modules are imported (feos/hostinit/_main.py).
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import ctypes.util
 import errno
 import logging
 import os
+import socket
 import subprocess
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
@@ -55,6 +57,7 @@ NODE_MODULES = (
     "wireguard",
 )
 
+IP_FREEBIND = getattr(socket, "IP_FREEBIND", 15)
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
@@ -165,10 +168,25 @@ def _modprobe(names: list[str]) -> None:
         subprocess.run(["modprobe", "-a", "-q", "-b", *names], check=False)
 
 
-def load_modules() -> list[str]:
-    """The node's modules and what its devices ask for, in rounds while new devices appear
-    (virtio_mmio's devices need it loaded first); the modules loaded, for the log."""
-    _modprobe(list(NODE_MODULES))
+Loading = subprocess.Popen[bytes]
+
+
+def start_modules() -> Loading:
+    """modprobe of the node's own modules, started: wait_modules waits for it."""
+    return subprocess.Popen(["modprobe", "-a", "-q", "-b", *NODE_MODULES])
+
+
+def wait_modules(loading: Loading | None) -> None:
+    """The node's own modules loaded: start_modules's, or here if that could not start."""
+    if loading is None:
+        _modprobe(list(NODE_MODULES))
+    else:
+        loading.wait()
+
+
+def coldplug() -> list[str]:
+    """What the devices ask for, in rounds while new devices appear (virtio_mmio's need it
+    loaded first); every module loaded, for the log."""
     seen: set[str] = set()
     for _ in range(4):
         new = sorted(_modaliases() - seen)
@@ -182,13 +200,26 @@ def load_modules() -> list[str]:
         return []
 
 
-def wait_for_link(name: str, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if Path(f"/sys/class/net/{name}").exists():
-            return True
-        time.sleep(0.05)
-    return False
+def bind_resolver_sockets(
+    address: str = "169.254.0.53", port: int = 53
+) -> tuple[socket.socket, socket.socket]:
+    """The pods' resolver's UDP and listening TCP sockets, bound before the node holds the
+    address (IP_FREEBIND), handed to every feosd. feos.net's bind_dns_sockets does the same,
+    but importing feos.net costs PID 1 a second on the host, twenty under TCG."""
+    socks = []
+    for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
+        s = socket.socket(socket.AF_INET, kind)
+        s.setsockopt(socket.SOL_IP, IP_FREEBIND, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((address, port))
+        if kind == socket.SOCK_STREAM:
+            s.listen(1024)
+        socks.append(s)
+    return socks[0], socks[1]
+
+
+def has_link(name: str) -> bool:
+    return Path(f"/sys/class/net/{name}").exists()
 
 
 def configure_sriov(ifname: str) -> str:
@@ -212,8 +243,8 @@ def mac_of(ifname: str) -> bytes:
 
 
 class KmsgHandler(logging.Handler):
-    """Records to /dev/kmsg, one write each, with their syslog level: the console shows them
-    with the kernel's time, and dmesg keeps them."""
+    """Records to /dev/kmsg, one write each, with their syslog level and a newline: the console
+    shows them with the kernel's time, and dmesg keeps them."""
 
     LEVELS: ClassVar[dict[int, int]] = {
         logging.DEBUG: 7,
@@ -230,7 +261,10 @@ class KmsgHandler(logging.Handler):
         level = self.LEVELS.get(record.levelno, 3)
         text = self.format(record).replace("\n", " | ")
         try:
-            os.write(self._fd, f"<{level}>feos-host-init: {text}".encode()[:1000])
+            # The newline ends the record: one without is held open for a continuation, and
+            # the console prints it only once the next record comes (or never, at the end).
+            line = f"<{level}>feos-host-init: {text}".encode()[:1000]
+            os.write(self._fd, line + b"\n")
         except OSError:
             self.handleError(record)
 
@@ -247,3 +281,16 @@ def log_to_kmsg() -> None:
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
     logging.getLogger("pyroute2").setLevel(logging.WARNING)
+
+
+def program_output() -> Callable[[bytes], None]:
+    """Where the lines of diskd's and feosd's output go, as records of _plan.program_records:
+    /dev/kmsg, beside host-init's own (a sandbox's: stderr, without the level)."""
+    if SANDBOX:
+        return lambda record: _write_record(2, record.partition(b">")[2])
+    fd = os.open("/dev/kmsg", os.O_WRONLY | os.O_CLOEXEC)
+    return lambda record: _write_record(fd, record)
+
+
+def _write_record(fd: int, record: bytes) -> None:
+    os.write(fd, record)  # one write, one record: /dev/kmsg takes it whole or refuses it

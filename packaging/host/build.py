@@ -10,9 +10,11 @@ steps it reuses:
      version; a built version is reused at once.
   2. The kernel (Debian's linux-image-amd64, the guest's), debootstrap of the root's packages
      (kept by package set), all the kernel's modules (a real machine needs its drivers).
-  3. The root: the Debian tree trimmed, /usr/lib/feos/python (feos, schema, the venv's packages
-     feos needs), the launchers, Firecracker (hack/firecracker), a guest version
-     (hack/guest-image), bytecode compiled by the root's own python3; /init is feos-host-init.
+  3. The root: the Debian tree trimmed (TRIM, then the shared libraries nothing needs),
+     /usr/lib/feos/python (feos, schema, the venv's packages feos needs, their compiled
+     modules stripped, their C and Cython sources left out), the launchers, Firecracker
+     (hack/firecracker), a guest version (hack/guest-image) without the vmlinuz feosd does not
+     boot, bytecode compiled by the root's own python3; /init is feos-host-init.
   4. One newc cpio of it all (uncompressed: under TCG the kernel would spend seconds
      decompressing; a PXE server or a USB stick can gzip it, docs/host-init.md), vmlinuz and
      the ELF vmlinux (PVH, for QEMU's microvm), a manifest.
@@ -58,9 +60,26 @@ PY_REQUIREMENTS = [
 ]  # fmt: skip
 PY_REQUIREMENTS.append("boto3")
 PY_SKIP = {"hypothesis"}
+# What of the Debian tree the node never runs (every MB is copied by the kernel at each boot,
+# 20 ms a MB under TCG): documents, apt, dpkg's scripts, perl (only maintainer scripts use it),
+# glibc's iconv modules (no program of the node converts charsets), qemu-system's UI, audio and
+# display plugins (qemu-storage-daemon loads none), Python's pydoc data and regression tests.
 TRIM = ["usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale",
         "var/cache/apt", "var/lib/apt/lists", "usr/share/qemu/edk2-arm-code.fd",
-        "usr/share/qemu/edk2-arm-vars.fd", "usr/share/qemu/edk2-aarch64-code.fd"]  # fmt: skip
+        "usr/share/qemu/edk2-arm-vars.fd", "usr/share/qemu/edk2-aarch64-code.fd",
+        "usr/bin/apt*", "usr/lib/apt", "etc/apt", "var/lib/dpkg/info", "usr/bin/perl*",
+        "usr/lib/x86_64-linux-gnu/perl-base", "usr/lib/x86_64-linux-gnu/perl",
+        "usr/share/perl*", "usr/lib/x86_64-linux-gnu/gconv", "usr/share/iso-codes",
+        "usr/share/xml/iso-codes", "usr/lib/x86_64-linux-gnu/qemu",
+        "usr/lib/x86_64-linux-gnu/gstreamer*", "usr/libexec/gstreamer*",
+        "usr/lib/python3.11/pydoc_data", "usr/lib/python3.11/test"]  # fmt: skip
+# Shared libraries kept although no program names them (DT_NEEDED): glibc's own (it loads NSS
+# modules, libgcc_s for cancellation, libidn2 for IDN names) and what Python loads by ctypes.
+LIBS_KEPT = ("libc.so", "libc_malloc", "ld-linux", "libm.so", "libmvec", "libpthread", "libdl",
+             "librt", "libresolv", "libnss_", "libutil", "libanl", "libBrokenLocale",
+             "libthread_db", "libmemusage", "libpcprofile", "libgcc_s", "libidn2",
+             "libnftables")  # fmt: skip
+LIBDIR = "usr/lib/x86_64-linux-gnu"
 # Modules no node boots with (sound, video, radios, sensors, input devices), 250 MB of the 390:
 # a node's drivers are its NICs, disks, virtio, netfilter and filesystems.
 MODULES_SKIP = [
@@ -149,11 +168,12 @@ def base_root(work: Path, tree: Path, kroot: Path, kver: str) -> Path:
     run("cp", "-a", "--reflink=auto", tree, tmp)
     (tmp / ".done").unlink()
     for rel in TRIM:
-        path = tmp / rel
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+        for path in tmp.glob(rel):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    prune_libraries(tmp)
     src = kroot / "lib/modules" / kver
     skip = tuple(str(src / "kernel" / s) for s in MODULES_SKIP)
     shutil.copytree(src, tmp / "lib/modules" / kver, symlinks=True,
@@ -168,6 +188,54 @@ def base_root(work: Path, tree: Path, kroot: Path, kver: str) -> Path:
         if old != base:
             shutil.rmtree(old, ignore_errors=True)
     return base
+
+
+def _elf(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"\x7fELF"
+    except OSError:
+        return False
+
+
+def _needed(files: list[Path]) -> dict[Path, list[str]]:
+    """Each ELF file's DT_NEEDED names (readelf, a few hundred files a call)."""
+    out: dict[Path, list[str]] = {}
+    for i in range(0, len(files), 300):
+        text = run("readelf", "-d", "-W", *files[i : i + 300], capture=True)
+        current: list[str] = []
+        for line in text.splitlines():
+            if line.startswith("File: "):
+                current = out.setdefault(Path(line[6:].strip()), [])
+            elif "(NEEDED)" in line and "[" in line:
+                current.append(line.rsplit("[", 1)[1].rstrip("]"))
+    return out
+
+
+def prune_libraries(root: Path) -> None:
+    """The shared libraries of LIBDIR that no program, Python module or library of the root
+    needs (after TRIM: what qemu-system's plugins pulled in), but for LIBS_KEPT."""
+    libdir = root / LIBDIR
+    files = [p for p in root.rglob("*") if p.is_file() and not p.is_symlink() and _elf(p)]
+    libs = {p for p in files if p.parent == libdir and ".so" in p.name}
+    needed = _needed(files)
+    by_name = {p.name: p.resolve() for p in libdir.iterdir() if ".so" in p.name}
+    used: set[Path] = set()
+    todo = [p for p in files if p not in libs]
+    while todo:
+        for name in needed.get(todo.pop(), []):
+            lib = by_name.get(name)
+            if lib is not None and lib not in used:
+                used.add(lib)
+                todo.append(lib)
+    gone = [p for p in libs if p not in used and not p.name.startswith(LIBS_KEPT)]
+    for p in gone:
+        p.unlink()
+    for link in libdir.iterdir():  # the names of what went
+        if link.is_symlink() and not link.exists():
+            link.unlink()
+    run("ldconfig", "-r", root)
+    log(f"pruned {len(gone)} shared libraries no program needs")
 
 
 def prune(out: Path, keep: int = 3) -> None:
@@ -193,9 +261,24 @@ def compress_modules(tree: Path) -> None:
 BOTOCORE_DATA_KEEP = {"s3", "sts"}
 
 
+# the C++ and Cython sources a compiled package carries (pycapnp's 7 MB capnp.cpp)
+SOURCE_SUFFIXES = {".cpp", ".pyx", ".pxd", ".h", ".c"}
+
+
 def _unneeded(parts: tuple[str, ...]) -> bool:
+    if Path(parts[-1]).suffix in SOURCE_SUFFIXES:
+        return True
     return (len(parts) > 3 and parts[:2] == ("botocore", "data")
             and parts[2] not in BOTOCORE_DATA_KEEP)
+
+
+def strip_libraries(tree: Path) -> None:
+    """The debugging sections and static symbols of the Python packages' compiled modules
+    (pycapnp's debugging sections were 75 % of its 20 MB), as Debian strips a shared library:
+    `strip --strip-unneeded` keeps the dynamic symbols the loader uses."""
+    sos = [str(p) for p in tree.rglob("*.so") if p.is_file() and not p.is_symlink()]
+    if sos:
+        run("strip", "--strip-unneeded", *sos)
 
 
 def add_feos(root: Path) -> None:
@@ -214,6 +297,7 @@ def add_feos(root: Path) -> None:
             dst = lib / f
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst)
+    strip_libraries(lib)
     for rel, line in LAUNCHERS.items():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -242,6 +326,7 @@ def add_programs(root: Path, guest: str) -> None:
     dst = root / "usr/lib/feos/guest" / Path(guest).name
     dst.parent.mkdir(parents=True, exist_ok=True)
     run("cp", "-a", "--sparse=always", guest, dst)
+    (dst / "vmlinuz").unlink(missing_ok=True)  # feosd boots the guest's vmlinux: 8 MB less
 
 
 def finish_root(root: Path) -> None:

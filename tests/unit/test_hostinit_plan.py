@@ -1,5 +1,6 @@
 """feos-host-init's pure decisions: the command line's prefix, resolv.conf, NTP order, a DHCPv4
-lease's routes, a DHCPv6 lease's timers."""
+lease's routes, a DHCPv6 lease's timers, the pod prefix after a delegation, the programs' output
+as /dev/kmsg records."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from feos.errors import Code, FeosError
 from feos.hostinit._plan import (
     INFINITY,
     INITRAMFS_RESOLVERS,
+    LINE_MAX,
     NtpServer,
     Route4,
     cmdline_pod_prefix,
     lease4_routes,
     lease6_timers,
     ntp_order,
+    pod_prefix_after_delegation,
+    program_records,
     resolv_conf,
     resolvers_in_turn,
 )
@@ -127,3 +131,35 @@ def test_the_api_on_tcp_is_tls_with_the_operators_ca_or_nothing() -> None:
     assert args == ["--tcp", "[::]:1337", "--tcp-insecure"] and "WITHOUT TLS" in said
     args, said = tcp_options([TCP_CERT, TCP_KEY], "feos.tcp-insecure=10")
     assert args == [] and "no API on TCP" in said and TCP_CLIENT_CA in said
+
+
+N6 = ipaddress.IPv6Network
+
+
+def test_pod_prefix_after_a_delegation() -> None:
+    p1, p2 = N6("2001:db8:1::/56"), N6("2001:db8:2::/56")
+    assert pod_prefix_after_delegation(None, p1, fixed=False) == (p1, True)  # after the 30 s
+    assert pod_prefix_after_delegation(p1, p1, fixed=False) == (p1, False)  # a renewal
+    assert pod_prefix_after_delegation(p1, p2, fixed=False) == (p2, True)
+    assert pod_prefix_after_delegation(p1, None, fixed=False) == (p1, False)  # kept when lost
+    assert pod_prefix_after_delegation(p1, p2, fixed=True) == (p1, False)  # the command line's
+    assert pod_prefix_after_delegation(None, None, fixed=False) == (None, False)
+
+
+def test_program_records_level_and_pieces() -> None:
+    info = b"2026-12-02 07:11:32,845 diskd INFO diskd: serving\n"
+    assert program_records("diskd", info) == [b"<6>diskd: " + info.rstrip() + b"\n"]
+    warn = b"2026-12-02 07:12:24,612 feosd WARNING feos._host: asked to reboot\r\n"
+    assert program_records("feosd", warn)[0].startswith(b"<4>feosd: 2026-12-02 ")
+    assert program_records("feosd", b"x ERROR y")[0] == b"<3>feosd: x ERROR y\n"
+    assert program_records("feosd", b"Traceback (most recent call last):\n")[0][:3] == b"<6>"
+    assert program_records("feosd", b"\n") == [b"<6>feosd: \n"]
+    assert program_records("feosd", b"a\0b\n") == [b"<6>feosd: ab\n"]
+
+
+@given(st.binary(max_size=5 * LINE_MAX))
+def test_program_records_keep_the_text_each_fits_kmsg(text: bytes) -> None:
+    line = text.replace(b"\n", b"").replace(b"\r", b"").replace(b"\0", b"")
+    records = program_records("feosd", line + b"\n")
+    assert all(len(r) < 1024 and r.endswith(b"\n") and r.count(b"\n") == 1 for r in records)
+    assert b"".join(r.split(b": ", 1)[1][:-1] for r in records) == line
