@@ -64,6 +64,8 @@ class Tap:
         _check("tap.mac", self.mac, _MAC_RE)
 
 
+QBOOT = "qboot.rom"  # the microVMs' firmware, by its name in QEMU's data directories
+
 @attrs.frozen
 class QemuConfig:
     """What one QEMU microVM runs with. Paths are as QEMU sees them (inside -chroot, if set)."""
@@ -91,7 +93,7 @@ class QemuConfig:
     # fw_cfg itself, so no option ROM is needed (x-option-roms=off). None: QEMU's default
     # microvm firmware, SeaBIOS where Debian 13 installs it, with the option ROMs that load the
     # kernel (without them it finds no boot disk and stops at "No bootable device").
-    firmware: str | None = "qboot.rom"
+    firmware: str | None = QBOOT
     sandbox: bool = False
     name: str | None = None
     no_reboot: bool = True  # a guest's reboot ends QEMU: the node restarts a VM, not QEMU
@@ -192,9 +194,6 @@ def _host_side(c: QemuConfig) -> list[str]:
         privileges = "" if c.runas is not None else ",elevateprivileges=deny"
         argv += ["-sandbox", f"on,obsolete=deny{privileges},resourcecontrol=deny"]
     return argv
-
-
-QBOOT = "qboot.rom"
 
 
 def microvm_firmware(data_dirs: list[str]) -> str | None:

@@ -30,12 +30,18 @@ def contexts() -> tuple[ssl.SSLContext, ssl.SSLContext, trustme.CA]:
     return client, server, ca
 
 
+def sockets(client_ctx: ssl.SSLContext,
+            server_ctx: ssl.SSLContext) -> tuple[TLSSocket, TLSSocket]:
+    """A client and a server TLSSocket on the two ends of a socketpair, not yet shaken hands."""
+    left, right = socket.socketpair()
+    return (TLSSocket(left, client_ctx, server_hostname="cp.test"),
+            TLSSocket(right, server_ctx, server_side=True))
+
+
 @asynccontextmanager
 async def pair() -> AsyncIterator[tuple[TLSSocket, TLSSocket]]:
     client_ctx, server_ctx, _ = contexts()
-    left, right = socket.socketpair()
-    client = TLSSocket(left, client_ctx, server_hostname="cp.test")
-    server = TLSSocket(right, server_ctx, server_side=True)
+    client, server = sockets(client_ctx, server_ctx)
     try:
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
@@ -116,9 +122,7 @@ async def test_close_wakes_a_task_waiting_to_read() -> None:
 async def test_a_handshake_with_an_untrusted_server_fails() -> None:
     client_ctx, _, _ = contexts()
     _, other_server_ctx, _ = contexts()  # another CA's certificate
-    left, right = socket.socketpair()
-    client = TLSSocket(left, client_ctx, server_hostname="cp.test")
-    server = TLSSocket(right, other_server_ctx, server_side=True)
+    client, server = sockets(client_ctx, other_server_ctx)
     try:
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
