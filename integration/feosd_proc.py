@@ -92,8 +92,9 @@ class Feosd:
         done = subprocess.run([str(BIN / "feosctl"), "--socket", str(self.socket), *argv],
                               capture_output=True, text=True, input=input, timeout=timeout)
         if check and done.returncode != 0:
+            tail = "\n".join(self.log_text().splitlines()[-40:])
             raise AssertionError(f"feosctl {' '.join(argv)} failed ({done.returncode}): "
-                                 f"{done.stderr.strip()}")
+                                 f"{done.stderr.strip()}\nfeosd's log, its end:\n{tail}")
         return done
 
     def ctl_json(self, *argv: str) -> Any:
