@@ -6,8 +6,9 @@ made, so that writing into it changes no metadata). A change (a put or a removal
 the caller's thread and queued to the directory's writer thread, which keeps changes in groups:
 it takes every change queued, appends them to the journal in one write, and syncs it once
 (fdatasync: the data and the disk's cache flush). Only then is each change acknowledged. The
-folder thread then writes the journal's changes into their files in the background, a tenth of
-a second's worth at a time: each record's last change in one group commit (the files written
+folder thread then writes the journal's changes into their files in the background, in the
+writer's pauses (or a second's worth at a time under a steady stream: its files' syncs then
+seldom delay the journal's): each record's last change in one group commit (the files written
 and fsynced, renamed in order, the directory fsynced once: one native call without the GIL,
 feos.native.commit_group; a test's instrumented fsync has the same steps made in Python). Once
 the folder has caught up the journal starts a new generation, and what it held is no longer
@@ -67,9 +68,13 @@ log = logging.getLogger(__name__)
 SUFFIX = ".pb"
 WRITE_TIMEOUT = 30.0  # a sync behind a snapshot's write-back may take seconds
 """Seconds a record may take to be kept before its caller is told it was not."""
-FOLD_AFTER = 0.1
-"""Seconds the folder lets entries gather before it writes them into their files: fewer,
-larger groups, whose syncs the journal's then wait behind less often."""
+FOLD_IDLE = 0.05
+"""Seconds without a new change after which the folder writes the journal's entries into their
+files: it folds in the pauses of the writer, whose journal syncs would otherwise queue behind
+the files' (a fold's n files cost n syncs, each with the disk's cache flush)."""
+FOLD_AFTER_MAX = 1.0
+"""Seconds the folder lets entries gather at most, pauses or not (under a steady stream: one
+large group a second, a few hundred KiB of the journal's 1 MiB at the most the API keeps)."""
 FOLD_RETRY = 0.1
 FOLD_RETRY_MAX = 5.0
 """Seconds before a fold that failed is tried again: doubled each time, up to this."""
@@ -286,6 +291,8 @@ class _Folder:
         self.error: OSError | None = None  # the last fold's failure, until one succeeds
         self._closing = False
         self._hurry = False
+        self._first_at = 0.0  # when the oldest entry pending was added (time.monotonic)
+        self._last_at = 0.0  # when the newest was
         self.folding = threading.Lock()  # held while the files change; `load` takes it
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
@@ -293,10 +300,26 @@ class _Folder:
         self._thread.start()
 
     def add(self, entries: list[tuple[int, Entry]]) -> None:
+        now = time.monotonic()
         with self._cond:
-            if not self.pending:  # the folder waits for the first only (then lets more gather)
+            if not self.pending:  # the folder is woken by the first only (then times its wait)
+                self._first_at = now
                 self._cond.notify_all()
+            self._last_at = now
             self.pending.extend(entries)
+
+    def _gather(self) -> None:
+        """Under the condition, with entries pending: wait until the writer pauses (FOLD_IDLE
+        without a new change), FOLD_AFTER_MAX since the oldest came, the writer hurries the
+        folder or the folder closes. Each wait is timed from the two stamps: no wake-up per
+        change."""
+        while not (self._closing or self._hurry):
+            now = time.monotonic()
+            left = min(self._last_at + FOLD_IDLE, self._first_at + FOLD_AFTER_MAX) - now
+            if left <= 0:
+                break
+            self._cond.wait(left)
+        self._hurry = False
 
     def unfolded(self) -> list[Entry]:
         with self._cond:
@@ -341,8 +364,7 @@ class _Folder:
                 self._cond.wait_for(lambda: self.pending or self._closing)
                 if not self.pending:
                     return
-                self._cond.wait_for(lambda: self._closing or self._hurry, FOLD_AFTER)
-                self._hurry = False
+                self._gather()
             error = self.fold_pending()
             if error is None:
                 backoff = FOLD_RETRY

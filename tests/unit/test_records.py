@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from feos import _journal, _schema, native
+from feos import records as records_module
 from feos._journal import Entry
 from feos._store import Store
 from feos.errors import Code, FeosError
@@ -507,3 +508,78 @@ def test_close_twice_is_one_close(tmp_path: Path) -> None:
     records.close()
     records.close()
     assert records.load() == {}
+
+
+# -- the folder folds in the writer's pauses -----------------------------------------------------
+
+
+def record_files(directory: Path) -> set[str]:
+    return {p.name for p in directory.glob("*.pb")}
+
+
+async def test_the_folder_waits_for_the_writers_pause_then_folds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While changes keep coming, within FOLD_IDLE of each other, no record file is written (the
+    journal's syncs do not queue behind the files'); once they pause, the folder writes them all
+    in one group, without a close."""
+    monkeypatch.setattr(records_module, "FOLD_IDLE", 1.5)
+    monkeypatch.setattr(records_module, "FOLD_AFTER_MAX", 60.0)
+    disk = _Disk()
+    records = RecordDir(tmp_path, _schema.volume().Volume, fsync=disk.fsync)
+    disk.log.clear()  # the journal's making
+    try:
+        for n in range(20):
+            await records.put(f"v{n}", {"id": f"v{n}"})
+        await trio.sleep(0.3)
+        assert record_files(tmp_path) == set()
+        assert "file" not in disk.log and "dir" not in disk.log
+        assert disk.log.count("journal") >= 20  # each acknowledged once in the synced journal
+        for _ in range(600):  # the pause's fold, within 30 s
+            if len(record_files(tmp_path)) == 20:
+                break
+            await trio.sleep(0.05)
+        assert len(record_files(tmp_path)) == 20
+        assert disk.log.count("dir") == 1  # the twenty in one group
+        assert set(records.load()) == {f"v{n}" for n in range(20)}
+    finally:
+        records.close()
+
+
+async def test_a_steady_stream_is_folded_after_fold_after_max(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Changes that never pause are folded all the same, FOLD_AFTER_MAX after the oldest."""
+    monkeypatch.setattr(records_module, "FOLD_IDLE", 60.0)
+    monkeypatch.setattr(records_module, "FOLD_AFTER_MAX", 0.2)
+    records = RecordDir(tmp_path, _schema.volume().Volume)
+    try:
+        with trio.fail_after(30):
+            n = 0
+            while not record_files(tmp_path):  # a change every 10 ms: never a pause of 60 s
+                await records.put(f"v{n}", {"id": f"v{n}"})
+                n += 1
+                await trio.sleep(0.01)
+        assert n >= 2
+    finally:
+        records.close()
+    assert record_files(tmp_path) == {f"v{i}.pb" for i in range(n)}  # the close folds the rest
+
+
+async def test_a_full_journal_and_the_close_do_not_wait_for_a_pause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer that needs the journal's room hurries the folder, and a close folds at once:
+    neither waits for FOLD_IDLE or FOLD_AFTER_MAX."""
+    monkeypatch.setattr(records_module, "FOLD_IDLE", 600.0)
+    monkeypatch.setattr(records_module, "FOLD_AFTER_MAX", 600.0)
+    records = RecordDir(tmp_path, _schema.volume().Volume, journal_bytes=2048)
+    try:
+        with trio.fail_after(60):
+            for n in range(200):  # the journal is full many times over
+                await records.put(f"v{n}", {"id": f"v{n}"})
+        assert record_files(tmp_path)  # folded when the journal had no room
+    finally:
+        with trio.fail_after(60):
+            await trio.to_thread.run_sync(records.close)
+    assert record_files(tmp_path) == {f"v{n}.pb" for n in range(200)}
