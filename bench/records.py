@@ -14,13 +14,13 @@ feosd and the temporary directory are removed on any exit, SIGTERM and SIGINT in
 SIGKILL of the bench still ends feosd (its parent-death signal), leaving only the directory.
 
 Where a record's time goes (one client, this machine): an acknowledged create waits for one
-append to the records' journal and its fdatasync (0.2-0.3 ms; feos/records.py), not for the
-record file's write, fsync, rename and directory fsync (the raw figure, 0.5-1.2 ms and more under
-the neighbours' load), which the folder does in the background, a group at a time. The rest is
-the API: the same bench with the journal's sync and the folder turned off keeps 800-1,350 creates
-a second from one client, pycapnp's round trip on both sides (bench/api.py's echo, 0.35-0.4 ms)
-and feosd's work on the Cap'n Proto thread. So one client's ratio passes 0.8 while the raw
-writes take 0.8 ms or more, and cannot while the disk is quiet enough for them to take 0.6 ms.
+append to the records' journal and its fdatasync (feos/records.py), not for the record file's
+write, fsync, rename and directory fsync (the raw figure), which the folder does in the
+background, in the writer's pauses (the pauses between the parts here): a fold in the middle of
+a part queued the journal's syncs behind its files' cache flushes. The rest is the API: pycapnp's
+round trip on both sides (bench/api.py's echo) and feosd's work on the Cap'n Proto thread, which
+with ten clients is the bound, with the CPU the neighbours leave. docs/operations.md ("The state
+directory") has the figures.
 """
 
 from __future__ import annotations
