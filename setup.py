@@ -3,4 +3,4 @@ native/build.py by cffi (out of line, API mode) as part of every install, editab
 
 from setuptools import setup
 
-setup(cffi_modules=["native/build.py:ffibuilder"])
+setup(cffi_modules=["native/build.py:ffibuilder", "native/build.py:nghttp2_builder"])

@@ -268,6 +268,13 @@ class PushClient:
                 self.goaway = GoAway(int.from_bytes(payload[4:8], "big"),
                                      int.from_bytes(payload[:4], "big") & 0x7FFFFFFF,
                                      payload[8:])
+                # streams above its last stream id were not taken (RFC 9113 6.8): libnghttp2's
+                # core ignores them, h2's refuses them
+                for sid, pending in self._pending.items():
+                    if sid > self.goaway.last_stream_id and not pending.done.is_set():
+                        pending.response.reset = 7  # REFUSED_STREAM: not processed
+                        pending.done.set()
+                        pending.progress.set()
             elif not (kind == 6 and not flags & 1 and not self.answer_pings):
                 out += self._frames[at:end]
             at = end
