@@ -76,6 +76,18 @@ log = logging.getLogger(__name__)
 _GOAWAY = struct.Struct(">BHBBIII")  # the frame's header (a 24-bit length), last id, code
 
 
+# what a connection error's code says of the peer's frame, beside libnghttp2's message
+_WHAT = {
+    ErrorCodes.PROTOCOL_ERROR: "a frame that breaks HTTP/2's rules",
+    ErrorCodes.FRAME_SIZE_ERROR: f"a frame over {MAX_FRAME_SIZE} bytes or of a size its type "
+                                 "does not allow",
+    ErrorCodes.COMPRESSION_ERROR: "a header block that does not decode (HPACK)",
+    ErrorCodes.FLOW_CONTROL_ERROR: "DATA past the window we gave, or a window past 2^31-1",
+    ErrorCodes.STREAM_CLOSED: "a frame on a stream that had closed",
+    ErrorCodes.SETTINGS_TIMEOUT: "our SETTINGS not acknowledged in time",
+}
+
+
 def available() -> bool:
     return _nghttp2 is not None
 
@@ -389,9 +401,11 @@ class NgServerCore:
             self._final = True  # our last: nothing after it
         elif goaway.error_code != ErrorCodes.NO_ERROR and self.ended is None:
             # libnghttp2's answer to a connection error of the peer's
-            message = data.decode(errors="replace") or self._error or "a connection error"
-            self.ended = ConnectionEnded(_code(goaway.error_code), f"protocol error: {message}",
-                                         True)
+            code = _code(goaway.error_code)
+            message = data.decode(errors="replace") or self._error
+            what = _WHAT.get(code, f"a connection error ({code!s})")
+            self.ended = ConnectionEnded(code, f"protocol error: {what}"
+                                         + (f" ({message})" if message else ""), True)
             self._streams.clear()
             self._events.append(self.ended)
             self._final = True
