@@ -615,7 +615,9 @@ typedef struct { int32_t settings_id; uint32_t value; } nghttp2_settings_entry;
 #define NGHTTP2_RST_STREAM ...
 #define NGHTTP2_PING ...
 #define NGHTTP2_GOAWAY ...
+#define NGHTTP2_SETTINGS ...
 #define NGHTTP2_HCAT_REQUEST ...
+#define NGHTTP2_HCAT_RESPONSE ...
 #define NGHTTP2_SETTINGS_MAX_CONCURRENT_STREAMS ...
 #define NGHTTP2_SETTINGS_MAX_FRAME_SIZE ...
 #define NGHTTP2_SETTINGS_MAX_HEADER_LIST_SIZE ...
@@ -628,12 +630,15 @@ struct feos_ng {
     size_t header_bytes;    /* the header block being decoded: each field's size plus 32 */
     size_t max_header_list;
     int over;               /* a header list went over max_header_list */
+    int client;             /* the client's side (tests/fleet_ngclient.py) */
     ...;
 };
-int feos_ng_new(struct feos_ng *ng, void *py, uint32_t max_header_list);
+int feos_ng_new(struct feos_ng *ng, void *py, uint32_t max_header_list, int client);
 void feos_ng_del(struct feos_ng *ng);
 int feos_ng_respond(struct feos_ng *ng, int32_t stream_id, const nghttp2_nv *nva, size_t n,
                     int with_body);
+int32_t feos_ng_request(struct feos_ng *ng, const nghttp2_nv *nva, size_t n, int with_body);
+uint32_t nghttp2_session_get_remote_settings(nghttp2_session *, int);
 
 int nghttp2_submit_settings(nghttp2_session *, uint8_t, const nghttp2_settings_entry *, size_t);
 int nghttp2_session_set_local_window_size(nghttp2_session *, uint8_t, int32_t, int32_t);
@@ -650,6 +655,8 @@ int nghttp2_session_terminate_session(nghttp2_session *, uint32_t);
 const char *nghttp2_strerror(int);
 
 extern "Python" int feos_ng_on_header(void *, int32_t, int, const uint8_t *, size_t);
+extern "Python" int feos_ng_on_field(void *, int32_t, const uint8_t *, size_t, const uint8_t *,
+                                     size_t);
 extern "Python" int feos_ng_on_frame(void *, const nghttp2_frame *);
 extern "Python" int feos_ng_on_data(void *, int32_t, const uint8_t *, size_t);
 extern "Python" int feos_ng_on_close(void *, int32_t, uint32_t);
@@ -667,9 +674,11 @@ struct feos_ng {
     size_t header_bytes;
     size_t max_header_list;
     int over;
+    int client;
 };
 
 static int feos_ng_on_header(void *, int32_t, int, const uint8_t *, size_t);
+static int feos_ng_on_field(void *, int32_t, const uint8_t *, size_t, const uint8_t *, size_t);
 static int feos_ng_on_frame(void *, const nghttp2_frame *);
 static int feos_ng_on_data(void *, int32_t, const uint8_t *, size_t);
 static int feos_ng_on_close(void *, int32_t, uint32_t);
@@ -693,6 +702,8 @@ static int ng_header(nghttp2_session *s, const nghttp2_frame *frame, const uint8
         ng->over = 1;
         return NGHTTP2_ERR_CALLBACK_FAILURE;  /* the connection's end: ENHANCE_YOUR_CALM */
     }
+    if (ng->client)  /* an answer's headers and trailers: all of them */
+        return feos_ng_on_field(ng->py, frame->hd.stream_id, name, namelen, value, valuelen);
     if (frame->hd.type != NGHTTP2_HEADERS || frame->headers.cat != NGHTTP2_HCAT_REQUEST)
         return 0;  /* the peer's trailers: nothing the core reads */
     if (namelen == 7 && memcmp(name, ":method", 7) == 0)
@@ -714,12 +725,16 @@ static int ng_frame_recv(nghttp2_session *s, const nghttp2_frame *frame, void *u
             return feos_ng_on_frame(ng->py, frame);
         return 0;
     case NGHTTP2_PING:
-        if (frame->hd.flags & NGHTTP2_FLAG_ACK)
+        if ((frame->hd.flags & NGHTTP2_FLAG_ACK) || ng->client)
             return feos_ng_on_frame(ng->py, frame);
         return 0;
     case NGHTTP2_RST_STREAM:
     case NGHTTP2_GOAWAY:
         return feos_ng_on_frame(ng->py, frame);
+    case NGHTTP2_SETTINGS:
+        if (ng->client && !(frame->hd.flags & NGHTTP2_FLAG_ACK))
+            return feos_ng_on_frame(ng->py, frame);
+        return 0;
     }
     return 0;
 }
@@ -740,7 +755,8 @@ static int ng_frame_send(nghttp2_session *s, const nghttp2_frame *frame, void *u
     struct feos_ng *ng = ud;
     if (frame->hd.type == NGHTTP2_GOAWAY)
         return feos_ng_on_goaway_sent(ng->py, frame);
-    if ((frame->hd.type == NGHTTP2_DATA || frame->hd.type == NGHTTP2_HEADERS)
+    if (!ng->client
+        && (frame->hd.type == NGHTTP2_DATA || frame->hd.type == NGHTTP2_HEADERS)
         && (frame->hd.flags & NGHTTP2_FLAG_END_STREAM)
         && nghttp2_session_get_stream_remote_close(s, frame->hd.stream_id) == 0)
         /* the answer ended before the request did: the rest of its upload stopped */
@@ -761,7 +777,7 @@ static ssize_t ng_read(nghttp2_session *s, int32_t stream_id, uint8_t *buf, size
     return feos_ng_read(((struct feos_ng *)ud)->py, stream_id, buf, length, data_flags);
 }
 
-static int feos_ng_new(struct feos_ng *ng, void *py, uint32_t max_header_list)
+static int feos_ng_new(struct feos_ng *ng, void *py, uint32_t max_header_list, int client)
 {
     nghttp2_session_callbacks *cb;
     nghttp2_option *opt;
@@ -784,7 +800,11 @@ static int feos_ng_new(struct feos_ng *ng, void *py, uint32_t max_header_list)
     ng->header_bytes = 0;
     ng->max_header_list = max_header_list;
     ng->over = 0;
-    rv = nghttp2_session_server_new2(&ng->session, cb, ng, opt);
+    ng->client = client;
+    if (client)
+        rv = nghttp2_session_client_new2(&ng->session, cb, ng, opt);
+    else
+        rv = nghttp2_session_server_new2(&ng->session, cb, ng, opt);
     nghttp2_option_del(opt);
     nghttp2_session_callbacks_del(cb);
     return rv;
@@ -806,6 +826,17 @@ static int feos_ng_respond(struct feos_ng *ng, int32_t stream_id, const nghttp2_
     provider.read_callback = ng_read;
     return nghttp2_submit_response(ng->session, stream_id, nva, n,
                                    with_body ? &provider : NULL);
+}
+
+/* The client's request (the stream's id, or an error); its body pulled as an answer's. */
+static int32_t feos_ng_request(struct feos_ng *ng, const nghttp2_nv *nva, size_t n,
+                               int with_body)
+{
+    nghttp2_data_provider provider;
+    provider.source.ptr = NULL;
+    provider.read_callback = ng_read;
+    return nghttp2_submit_request(ng->session, NULL, nva, n, with_body ? &provider : NULL,
+                                  NULL);
 }
 """
 

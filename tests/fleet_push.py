@@ -37,6 +37,7 @@ from feos._names import camel
 from feos.errors import Code, FeosError
 from feos.fleet._calls import INTERFACES, PULLS, _struct
 from feos.fleet._tls import TLSSocket
+from fleet_ngclient import NgClientConnection
 
 ALPN = "feos-node/1"
 SERVER_NAME = "control-plane.feos.test"
@@ -136,17 +137,23 @@ class PushClient:
     """The control plane's HTTP/2 client on one node connection (a TLSSocket, or any trio
     stream)."""
 
-    def __init__(self, stream: TLSSocket | trio.abc.Stream) -> None:
+    def __init__(self, stream: TLSSocket | trio.abc.Stream, *, http2: str = "h2") -> None:
         self.wire = stream if isinstance(stream, TLSSocket) else StreamWire(stream)
-        # the node validates what it takes; the control plane's own side need not check itself
-        self.h2 = _Counted(h2.config.H2Configuration(
-            client_side=True, header_encoding=None, validate_outbound_headers=False,
-            normalize_outbound_headers=False))
-        self.h2.count = lambda: 0 if self.ignore_limit else len(self._pending)
-        self.h2.local_settings = h2.settings.Settings(client=True, initial_values={
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 4 * 1024 * 1024,
-            h2.settings.SettingCodes.ENABLE_PUSH: 0,
-        })
+        self.h2: Any
+        if http2 == "nghttp2":  # the bench's: tests/fleet_ngclient.py
+            self.h2 = NgClientConnection(window=4 * 1024 * 1024)
+        elif http2 == "h2":
+            # the node validates what it takes; the control plane's side need not check itself
+            self.h2 = _Counted(h2.config.H2Configuration(
+                client_side=True, header_encoding=None, validate_outbound_headers=False,
+                normalize_outbound_headers=False))
+            self.h2.count = lambda: 0 if self.ignore_limit else len(self._pending)
+            self.h2.local_settings = h2.settings.Settings(client=True, initial_values={
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 4 * 1024 * 1024,
+                h2.settings.SettingCodes.ENABLE_PUSH: 0,
+            })
+        else:
+            raise ValueError(f"http2 is {http2!r}: h2 or nghttp2")
         self._pending: dict[int, _Pending] = {}
         self._send_lock = trio.Lock()
         self._dirty = trio.Event()
@@ -480,7 +487,8 @@ class PushListener:
     """The control plane's TLS port for node connections (trustme's CA)."""
 
     def __init__(self, ca: trustme.CA | None = None, *, alpn: str = ALPN,
-                 server_name: str = SERVER_NAME) -> None:
+                 server_name: str = SERVER_NAME, http2: str = "h2") -> None:
+        self.http2 = http2  # the clients' HTTP/2: h2's, or libnghttp2's (the bench's)
         self.ca = ca or trustme.CA()
         self.server_name = server_name
         self.cert = self.ca.issue_cert(server_name)
@@ -520,7 +528,7 @@ class PushListener:
             except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError):
                 return
             self.accepted += 1
-            client = PushClient(tls)
+            client = PushClient(tls, http2=self.http2)
             async with trio.open_nursery() as nursery:
                 await nursery.start(client.run)
                 await self._send.send(client)
