@@ -32,12 +32,12 @@ import h2.exceptions
 import h2.settings
 import trio
 import trustme
+from fleet_ngclient import NgClientConnection
 
 from feos._names import camel
 from feos.errors import Code, FeosError
 from feos.fleet._calls import INTERFACES, PULLS, _struct
 from feos.fleet._tls import TLSSocket
-from fleet_ngclient import NgClientConnection
 
 ALPN = "feos-node/1"
 SERVER_NAME = "control-plane.feos.test"

@@ -39,7 +39,8 @@ import logging
 import os
 import struct
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 from h2.errors import ErrorCodes
 
@@ -118,8 +119,16 @@ def _code(value: int) -> ErrorCodes | int:
 
 
 class _Stream:
-    __slots__ = ("method", "path", "body", "started", "submitted", "deferred", "outbound",
-                 "closing")
+    __slots__ = (
+        "body",
+        "closing",
+        "deferred",
+        "method",
+        "outbound",
+        "path",
+        "started",
+        "submitted",
+    )
 
     def __init__(self) -> None:
         self.method = b""
@@ -145,7 +154,7 @@ class NgServerCore:
         self._ffi, self._lib = _nghttp2.ffi, _nghttp2.lib
         self._ng = self._ffi.new("struct feos_ng *")
         self._handle = self._ffi.new_handle(self)
-        rv = self._lib.feos_ng_new(self._ng, self._handle, MAX_HEADER_LIST)
+        rv = self._lib.feos_ng_new(self._ng, self._handle, MAX_HEADER_LIST, 0)
         if rv != 0:
             raise MemoryError(f"nghttp2_session_server_new: {self._error_name(rv)}")
         weakref.finalize(self, self._lib.feos_ng_del, self._ng)
@@ -169,7 +178,7 @@ class NgServerCore:
         self.ended: ConnectionEnded | None = None
 
     def _error_name(self, rv: int) -> str:
-        return self._ffi.string(self._lib.nghttp2_strerror(rv)).decode()
+        return str(self._ffi.string(self._lib.nghttp2_strerror(rv)).decode())
 
     # -- the connection ------------------------------------------------------------------------
 
@@ -288,7 +297,8 @@ class NgServerCore:
         if not data:
             return [self._end(ErrorCodes.NO_ERROR, EOF_REASON, by_peer=True, goaway=False)]
         self._now = now
-        self._events = events = []
+        events: list[Event] = []
+        self._events = events
         lib = self._lib
         self._pump()  # the answers given since: their streams close before the peer's next
         rv = lib.nghttp2_session_mem_recv(self._session, data, len(data))
@@ -403,7 +413,8 @@ class NgServerCore:
             # libnghttp2's answer to a connection error of the peer's
             code = _code(goaway.error_code)
             message = data.decode(errors="replace") or self._error
-            what = _WHAT.get(code, f"a connection error ({code!s})")
+            what = _WHAT.get(code) if isinstance(code, ErrorCodes) else None
+            what = what or f"a connection error ({code!s})"
             self.ended = ConnectionEnded(code, f"protocol error: {what}"
                                          + (f" ({message})" if message else ""), True)
             self._streams.clear()
@@ -420,7 +431,7 @@ class NgServerCore:
     def _nva(self, headers: list[tuple[bytes, bytes]]) -> tuple[Any, list[Any]]:
         ffi = self._ffi
         nva = ffi.new("nghttp2_nv[]", len(headers))
-        keep = []
+        keep: list[Any] = []
         for i, (name, value) in enumerate(headers):
             n, v = ffi.from_buffer(name), ffi.from_buffer(value)
             keep += (n, v)
@@ -519,11 +530,17 @@ class NgServerCore:
 if _nghttp2 is not None:
     _ffi, _FAIL = _nghttp2.ffi, _nghttp2.lib.NGHTTP2_ERR_CALLBACK_FAILURE
 
-    def _failed(core: NgServerCore, exc: BaseException) -> int:
+    _F = TypeVar("_F", bound=Callable[..., int])
+
+    def _extern() -> Callable[[_F], _F]:
+        """cffi's def_extern, typed: the function is the C glue's callback of its name."""
+        return cast(Callable[[_F], _F], _ffi.def_extern())
+
+    def _failed(core: Any, exc: BaseException) -> int:
         core._exc = exc
         return int(_FAIL)
 
-    @_ffi.def_extern()  # type: ignore[misc]
+    @_extern()
     def feos_ng_on_header(py: Any, sid: int, which: int, value: Any, length: int) -> int:
         core: NgServerCore = _ffi.from_handle(py)
         try:
@@ -531,7 +548,16 @@ if _nghttp2 is not None:
         except Exception as exc:
             return _failed(core, exc)
 
-    @_ffi.def_extern()  # type: ignore[misc]
+    @_extern()
+    def feos_ng_on_field(py: Any, sid: int, name: Any, namelen: int, value: Any,
+                         valuelen: int) -> int:
+        core = _ffi.from_handle(py)  # a client's (tests/fleet_ngclient.py)
+        try:
+            return int(core._on_field(sid, name, namelen, value, valuelen))
+        except Exception as exc:
+            return _failed(core, exc)
+
+    @_extern()
     def feos_ng_on_frame(py: Any, frame: Any) -> int:
         core: NgServerCore = _ffi.from_handle(py)
         try:
@@ -539,7 +565,7 @@ if _nghttp2 is not None:
         except Exception as exc:
             return _failed(core, exc)
 
-    @_ffi.def_extern()  # type: ignore[misc]
+    @_extern()
     def feos_ng_on_data(py: Any, sid: int, data: Any, length: int) -> int:
         core: NgServerCore = _ffi.from_handle(py)
         try:
@@ -547,7 +573,7 @@ if _nghttp2 is not None:
         except Exception as exc:
             return _failed(core, exc)
 
-    @_ffi.def_extern()  # type: ignore[misc]
+    @_extern()
     def feos_ng_on_close(py: Any, sid: int, code: int) -> int:
         core: NgServerCore = _ffi.from_handle(py)
         try:
@@ -555,7 +581,7 @@ if _nghttp2 is not None:
         except Exception as exc:
             return _failed(core, exc)
 
-    @_ffi.def_extern()  # type: ignore[misc]
+    @_extern()
     def feos_ng_on_goaway_sent(py: Any, frame: Any) -> int:
         core: NgServerCore = _ffi.from_handle(py)
         try:
@@ -563,7 +589,7 @@ if _nghttp2 is not None:
         except Exception as exc:
             return _failed(core, exc)
 
-    @_ffi.def_extern()  # type: ignore[misc]
+    @_extern()
     def feos_ng_on_error(py: Any, code: int, message: Any, length: int) -> int:
         core: NgServerCore = _ffi.from_handle(py)
         try:
@@ -571,7 +597,7 @@ if _nghttp2 is not None:
         except Exception as exc:
             return _failed(core, exc)
 
-    @_ffi.def_extern()  # type: ignore[misc]
+    @_extern()
     def feos_ng_read(py: Any, sid: int, buf: Any, length: int, flags: Any) -> int:
         core: NgServerCore = _ffi.from_handle(py)
         try:

@@ -272,7 +272,7 @@ def test_nghttp2_ends_the_connection_past_the_acknowledged_stream_limit() -> Non
     assert core.receive(call(7), 0.0) == [] and core.data_to_send() == b""
 
 
-@pytest.mark.parametrize("garbage,code,named", [
+@pytest.mark.parametrize(("garbage", "code", "named"), [
     (b"GET / HTTP/1.1\r\n\r\n" + b"x" * 10, ErrorCodes.PROTOCOL_ERROR, "preface"),
     (PREFACE + SettingsFrame(0).serialize() + DataFrame(1, b"x" * 20000).serialize(),
      ErrorCodes.FRAME_SIZE_ERROR, "a frame over 16384 bytes"),
@@ -306,7 +306,7 @@ def test_a_malformed_frame_ends_the_connection_with_its_error_named(
 
 def test_a_header_list_over_the_cap_ends_the_connection_calmly() -> None:
     encoder = __import__("hpack").Encoder()
-    block = encoder.encode(request(b"/x") + [(b"x-big", b"v" * 17000)])
+    block = encoder.encode([*request(b"/x"), (b"x-big", b"v" * 17000)])
     for core in (ServerCore(), _nghttp2.NgServerCore()):
         started(core)
         frames = PREFACE + SettingsFrame(0).serialize() + b"".join(
