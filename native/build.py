@@ -1,4 +1,5 @@
-"""The build of feos._native: feosd's one compiled module, cffi's out-of-line API mode.
+"""The build of feos._native, feosd's compiled module of kernel calls, and of feos._nghttp2 (the
+node connections' HTTP/2 over libnghttp2, its section at the end): cffi's out-of-line API mode.
 
 Everything feosd asks of the kernel that Python's standard library does not offer goes through
 here, compiled against the system's own headers (no structure is declared by hand: cffi reads
