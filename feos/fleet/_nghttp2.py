@@ -74,8 +74,8 @@ else:
 
 log = logging.getLogger(__name__)
 
-_GOAWAY = struct.Struct(">BHBBIII")
-NVA_CACHE = 256  # header arrays kept per connection (answers differ by status and message)  # the frame's header (a 24-bit length), last id, code
+_GOAWAY = struct.Struct(">BHBBIII")  # the frame's header (a 24-bit length), last id, code
+NVA_CACHE = 256  # header arrays kept per connection (answers differ by status and message)
 
 
 # what a connection error's code says of the peer's frame, beside libnghttp2's message
