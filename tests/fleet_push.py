@@ -226,7 +226,19 @@ class PushClient:
                 return
             for event in events:
                 self._on(event)
-            self._dirty.set()
+            self._answer_now()
+
+    def _answer_now(self) -> None:
+        """What the node's bytes made us say (WINDOW_UPDATEs, acks), sent by the reader when
+        the wire is a TLSSocket: the writer is woken only for what the socket did not take."""
+        if isinstance(self.wire, TLSSocket) and not self._raw:
+            try:
+                self._send_now()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the reader sees the end
+            if not self.wire.pending:
+                return
+        self._dirty.set()
 
     def _on(self, event: h2.events.Event) -> None:
         sid = getattr(event, "stream_id", None)
@@ -315,7 +327,10 @@ class PushClient:
                 self._send_now()  # alone, or a batch: no hop to the writer
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # the reader sees the end
-        self._dirty.set()
+            if self.wire.pending or self._unsent:
+                self._dirty.set()
+        else:
+            self._dirty.set()
         return sid, pending
 
     def _send_body(self, sid: int, body: bytes, end: bool) -> None:
