@@ -632,6 +632,7 @@ struct feos_ng {
     size_t max_header_list;
     int over;               /* a header list went over max_header_list */
     int client;             /* the client's side (tests/fleet_ngclient.py) */
+    int32_t drained_at;     /* the drain's last stream id; -1 before the drain */
     ...;
 };
 int feos_ng_new(struct feos_ng *ng, void *py, uint32_t max_header_list, int client);
@@ -663,6 +664,7 @@ extern "Python" int feos_ng_on_data(void *, int32_t, const uint8_t *, size_t);
 extern "Python" int feos_ng_on_close(void *, int32_t, uint32_t);
 extern "Python" int feos_ng_on_goaway_sent(void *, const nghttp2_frame *);
 extern "Python" int feos_ng_on_error(void *, int, const char *, size_t);
+extern "Python" int feos_ng_on_late(void *, int32_t);
 extern "Python" ssize_t feos_ng_read(void *, int32_t, uint8_t *, size_t, uint32_t *);
 """
 
@@ -676,6 +678,7 @@ struct feos_ng {
     size_t max_header_list;
     int over;
     int client;
+    int32_t drained_at;
 };
 
 static int feos_ng_on_header(void *, int32_t, int, const uint8_t *, size_t);
@@ -685,11 +688,24 @@ static int feos_ng_on_data(void *, int32_t, const uint8_t *, size_t);
 static int feos_ng_on_close(void *, int32_t, uint32_t);
 static int feos_ng_on_goaway_sent(void *, const nghttp2_frame *);
 static int feos_ng_on_error(void *, int, const char *, size_t);
+static int feos_ng_on_late(void *, int32_t);
 static ssize_t feos_ng_read(void *, int32_t, uint8_t *, size_t, uint32_t *);
 
 static int ng_begin_headers(nghttp2_session *s, const nghttp2_frame *frame, void *ud)
 {
     ((struct feos_ng *)ud)->header_bytes = 0;
+    return 0;
+}
+
+/* A request that comes after the drain's GOAWAY: libnghttp2 ignores it without a word; the
+   core refuses it (RST_STREAM REFUSED_STREAM, once libnghttp2 has seen its id), as h2's does. */
+static int ng_begin_frame(nghttp2_session *s, const nghttp2_frame_hd *hd, void *ud)
+{
+    struct feos_ng *ng = ud;
+    if (ng->drained_at >= 0 && hd->type == NGHTTP2_HEADERS && (hd->stream_id & 1)
+        && hd->stream_id > ng->drained_at
+        && nghttp2_session_find_stream(s, hd->stream_id) == NULL)
+        return feos_ng_on_late(ng->py, hd->stream_id);
     return 0;
 }
 
@@ -786,6 +802,7 @@ static int feos_ng_new(struct feos_ng *ng, void *py, uint32_t max_header_list, i
     if (rv != 0)
         return rv;
     nghttp2_session_callbacks_set_on_begin_headers_callback(cb, ng_begin_headers);
+    nghttp2_session_callbacks_set_on_begin_frame_callback(cb, ng_begin_frame);
     nghttp2_session_callbacks_set_on_header_callback(cb, ng_header);
     nghttp2_session_callbacks_set_on_frame_recv_callback(cb, ng_frame_recv);
     nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cb, ng_data_chunk);
@@ -802,6 +819,7 @@ static int feos_ng_new(struct feos_ng *ng, void *py, uint32_t max_header_list, i
     ng->max_header_list = max_header_list;
     ng->over = 0;
     ng->client = client;
+    ng->drained_at = -1;
     if (client)
         rv = nghttp2_session_client_new2(&ng->session, cb, ng, opt);
     else

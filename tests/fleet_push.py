@@ -287,8 +287,8 @@ class PushClient:
                 self.goaway = GoAway(int.from_bytes(payload[4:8], "big"),
                                      int.from_bytes(payload[:4], "big") & 0x7FFFFFFF,
                                      payload[8:])
-                # streams above its last stream id were not taken (RFC 9113 6.8): libnghttp2's
-                # core ignores them, h2's refuses them
+                # streams above its last stream id were not taken (RFC 9113 6.8), whether or
+                # not their RST_STREAM REFUSED_STREAM has come
                 for sid, pending in self._pending.items():
                     if sid > self.goaway.last_stream_id and not pending.done.is_set():
                         pending.response.reset = 7  # REFUSED_STREAM: not processed

@@ -28,9 +28,10 @@ Nothing the peer sends raises out of the core.
 Where it differs from ServerCore (the differential test pins each): a stream over
 MAX_CONCURRENT_STREAMS is refused (REFUSED_STREAM) until the peer acknowledged our SETTINGS, and
 ends the connection (PROTOCOL_ERROR) after, as libnghttp2 does (RFC 9113 5.1.2 allows either);
-a stream the peer opens after our drain's GOAWAY is ignored without a RST_STREAM (the GOAWAY's
-last stream id tells the peer it was not taken: RFC 9113 6.8); a request that breaks HTTP's
-rules (a missing pseudo-header, an uppercase name) ends its stream, not the connection.
+a request that breaks HTTP's rules (a missing pseudo-header, an uppercase name) ends its stream,
+not the connection. A stream the peer opens after our drain's GOAWAY, which libnghttp2 would
+ignore without a word, is refused (REFUSED_STREAM) as h2's core refuses it: the C glue sees its
+HEADERS begin and the core resets it once libnghttp2 has taken its id (`_late`).
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ class NgServerCore:
         self._closing: tuple[int, bytes] | None = None  # our last GOAWAY: code, debug data
         self._final = False  # nothing goes out any more
         self._error = ""  # libnghttp2's last message about the peer's bytes
+        self._late: list[int] = []  # streams opened after the drain's GOAWAY, to refuse
         self._exc: BaseException | None = None  # ours, in a callback
         self.ended: ConnectionEnded | None = None
 
@@ -232,6 +234,7 @@ class NgServerCore:
         if self.ended is not None or self._drained_at is not None:
             return
         self._drained_at = self._lib.nghttp2_session_get_last_proc_stream_id(self._session)
+        self._ng.drained_at = self._drained_at
         reason = b"the node stops"
         self._lib.nghttp2_submit_goaway(self._session, 0, self._drained_at,
                                         ErrorCodes.NO_ERROR, reason, len(reason))
@@ -319,6 +322,9 @@ class NgServerCore:
             else:
                 self._fatal(ErrorCodes.INTERNAL_ERROR, self._fatal_reason(rv), by_peer=True)
         else:
+            for sid in self._late:  # libnghttp2 has seen their ids: a RST_STREAM may go
+                lib.nghttp2_submit_rst_stream(self._session, 0, sid, ErrorCodes.REFUSED_STREAM)
+            self._late.clear()
             self._pump()  # a connection error's GOAWAY shows here (_on_goaway_sent)
         if self.ended is not None and self.ended.by_peer and self.ended.code:
             return [self.ended]  # the peer's protocol error: its batch's calls are not taken
@@ -422,6 +428,10 @@ class NgServerCore:
             self._streams.clear()
             self._events.append(self.ended)
             self._final = True
+        return 0
+
+    def _on_late(self, sid: int) -> int:
+        self._late.append(sid)
         return 0
 
     def _on_error(self, code: int, message: Any, length: int) -> int:
@@ -608,6 +618,14 @@ if _nghttp2 is not None:
         core: NgServerCore = _ffi.from_handle(py)
         try:
             return core._on_error(code, message, length)
+        except Exception as exc:
+            return _failed(core, exc)
+
+    @_extern()
+    def feos_ng_on_late(py: Any, sid: int) -> int:
+        core: NgServerCore = _ffi.from_handle(py)
+        try:
+            return core._on_late(sid)
         except Exception as exc:
             return _failed(core, exc)
 
