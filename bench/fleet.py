@@ -1,7 +1,8 @@
 """Pushed calls over a node connection beside the same calls over feosd's Unix socket.
 
 One run, TLS on, both clients in this process: the control plane's HTTP/2 client of
-tests/fleet_push.py (trio, h2) on the connection the node dialed to this process's TLS listener
+tests/fleet_push.py (trio; over libnghttp2, tests/fleet_ngclient.py, or h2's with
+FEOS_BENCH_PUSH_HTTP2=h2) on the connection the node dialed to this process's TLS listener
 (trustme's certificates, TLS 1.3, ALPN feos-node/1), and the pycapnp client feosctl uses
 (feos.rpc.Client, asyncio on a thread of its own) on the node's api.sock. The node is one
 process of its own (bench/_fleet_node.py): feosd's Daemon with its real services and bootstrap
@@ -153,7 +154,9 @@ def write_pems(tmp: Path, ca: trustme.CA) -> tuple[Path, Path]:
 
 async def bench(tmp: Path) -> tuple[float, float, float, float]:
     ca = trustme.CA()
-    listener = PushListener(ca)
+    # the control plane's client over libnghttp2 (tests/fleet_ngclient.py): h2's alone cost more
+    # per call than the target allows; FEOS_BENCH_PUSH_HTTP2=h2 measures with h2's
+    listener = PushListener(ca, http2=os.environ.get("FEOS_BENCH_PUSH_HTTP2", "nghttp2"))
     ca_pem, node_pem = write_pems(tmp, ca)
     async with trio.open_nursery() as nursery:
         await nursery.start(listener.serve)

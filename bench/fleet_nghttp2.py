@@ -10,6 +10,7 @@ timed is the server's side: the bytes in, the events, the answer, the bytes out 
 The nghttp2 side is a sketch, not a core: the few calls of its API this needs, declared here
 (ABI mode: libnghttp2.so.14 is on the machine, its headers are not), a Python callback per
 header, chunk, frame and stream close. It answers only what this bench sends.
+NgServerCore (feos/fleet/_nghttp2.py, the core the node runs now) is timed beside both.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from feos.errors import Code
 from feos.fleet._h2server import CallStarted, ServerCore
+from feos.fleet._nghttp2 import NgServerCore
 
 BATCH = 300
 BATCHES = 8
@@ -158,8 +160,8 @@ class NghttpServer:
         self.lib.nghttp2_session_del(self.session)
 
 
-def h2_server() -> Callable[[bytes], bytes]:
-    core = ServerCore()
+def h2_server(kind: type = ServerCore) -> Callable[[bytes], bytes]:
+    core = kind()
     core.start(0.0)
 
     def receive(data: bytes) -> bytes:
@@ -208,16 +210,20 @@ def main() -> None:
     ffi = cffi.FFI()
     ffi.cdef(CDEF)
     lib = ffi.dlopen("libnghttp2.so.14")
-    h2_runs, ng_runs = [], []
+    h2_runs, ng_runs, core_runs = [], [], []
     for _ in range(3):
         h2_runs.append(cpu_per_call(h2_server()))
         server = NghttpServer(ffi, lib)
         ng_runs.append(cpu_per_call(server.receive))
         server.close()
-    h2_cost, ng_cost = min(h2_runs), min(ng_runs)
+        core_runs.append(cpu_per_call(h2_server(NgServerCore)))
+    h2_cost, ng_cost, core_cost = min(h2_runs), min(ng_runs), min(core_runs)
     print(f"the server's CPU per call: h2 ServerCore {h2_cost * 1e6:.1f} us, "
-          f"libnghttp2 through cffi {ng_cost * 1e6:.1f} us")
+          f"libnghttp2 through cffi {ng_cost * 1e6:.1f} us (the sketch), "
+          f"NgServerCore {core_cost * 1e6:.1f} us")
     print(f"ratio nghttp2 / h2 CPU per call: {ng_cost / h2_cost:.2f} (target < 0.5)")
+    print(f"ratio NgServerCore / h2 ServerCore CPU per call: {core_cost / h2_cost:.2f} "
+          "(target < 0.5)")
 
 
 if __name__ == "__main__":

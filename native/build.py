@@ -1,4 +1,5 @@
-"""The build of feos._native: feosd's one compiled module, cffi's out-of-line API mode.
+"""The build of feos._native, feosd's compiled module of kernel calls, and of feos._nghttp2 (the
+node connections' HTTP/2 over libnghttp2, its section at the end): cffi's out-of-line API mode.
 
 Everything feosd asks of the kernel that Python's standard library does not offer goes through
 here, compiled against the system's own headers (no structure is declared by hand: cffi reads
@@ -576,15 +577,317 @@ ffibuilder.set_source(
 )
 
 
-def build_in_place() -> pathlib.Path:
-    """Compile into build/native and copy the module beside feos/'s sources."""
+# --- feos._nghttp2: libnghttp2 for the node connections' HTTP/2 (feos/fleet/_nghttp2.py) -------
+#
+# A module of its own beside feos._native, so that a machine without libnghttp2's headers still
+# builds feosd's kernel calls (the node connections then run over h2: feos/fleet/_nghttp2.py).
+# The C glue keeps the per-byte work in C: each header is counted against the header list's cap
+# here and only :method and :path reach Python; only the frames the core acts on reach Python
+# (a request's HEADERS, an END_STREAM, RST_STREAM, a PING's ACK, GOAWAY); an answer that ended
+# while the peer's side is open is followed by RST_STREAM NO_ERROR here (RFC 9113 8.1). Memory:
+# the session's user data is the feos_ng block Python allocated (ffi.new) and keeps alive as long
+# as the session; `py` is a cffi handle of the Python core; what the callbacks hand Python (a
+# header's value, a DATA chunk) is copied before they return.
+
+NGHTTP2_CDEF = """
+typedef struct nghttp2_session nghttp2_session;
+typedef struct { size_t length; int32_t stream_id; uint8_t type; uint8_t flags; ...; }
+    nghttp2_frame_hd;
+typedef struct { nghttp2_frame_hd hd; uint32_t error_code; ...; } nghttp2_rst_stream;
+typedef struct { nghttp2_frame_hd hd; uint8_t opaque_data[8]; } nghttp2_ping;
+typedef struct { nghttp2_frame_hd hd; int32_t last_stream_id; uint32_t error_code;
+                 uint8_t *opaque_data; size_t opaque_data_len; ...; } nghttp2_goaway;
+typedef struct { nghttp2_frame_hd hd; int cat; ...; } nghttp2_headers;
+typedef union { nghttp2_frame_hd hd; nghttp2_rst_stream rst_stream; nghttp2_ping ping;
+                nghttp2_goaway goaway; nghttp2_headers headers; ...; } nghttp2_frame;
+typedef struct { uint8_t *name; uint8_t *value; size_t namelen; size_t valuelen;
+                 uint8_t flags; } nghttp2_nv;
+typedef struct { int32_t settings_id; uint32_t value; } nghttp2_settings_entry;
+#define NGHTTP2_DATA_FLAG_EOF ...
+#define NGHTTP2_DATA_FLAG_NO_END_STREAM ...
+#define NGHTTP2_ERR_DEFERRED ...
+#define NGHTTP2_ERR_CALLBACK_FAILURE ...
+#define NGHTTP2_ERR_BAD_CLIENT_MAGIC ...
+#define NGHTTP2_ERR_FLOODED ...
+#define NGHTTP2_FLAG_END_STREAM ...
+#define NGHTTP2_FLAG_ACK ...
+#define NGHTTP2_HEADERS ...
+#define NGHTTP2_DATA ...
+#define NGHTTP2_RST_STREAM ...
+#define NGHTTP2_PING ...
+#define NGHTTP2_GOAWAY ...
+#define NGHTTP2_SETTINGS ...
+#define NGHTTP2_HCAT_REQUEST ...
+#define NGHTTP2_HCAT_RESPONSE ...
+#define NGHTTP2_SETTINGS_MAX_CONCURRENT_STREAMS ...
+#define NGHTTP2_SETTINGS_MAX_FRAME_SIZE ...
+#define NGHTTP2_SETTINGS_MAX_HEADER_LIST_SIZE ...
+#define NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE ...
+#define NGHTTP2_SETTINGS_ENABLE_PUSH ...
+
+struct feos_ng {
+    nghttp2_session *session;
+    void *py;               /* the core's handle (ffi.new_handle) */
+    size_t header_bytes;    /* the header block being decoded: each field's size plus 32 */
+    size_t max_header_list;
+    int over;               /* a header list went over max_header_list */
+    int client;             /* the client's side (tests/fleet_ngclient.py) */
+    int32_t drained_at;     /* the drain's last stream id; -1 before the drain */
+    ...;
+};
+int feos_ng_new(struct feos_ng *ng, void *py, uint32_t max_header_list, int client);
+void feos_ng_del(struct feos_ng *ng);
+int feos_ng_respond(struct feos_ng *ng, int32_t stream_id, const nghttp2_nv *nva, size_t n,
+                    int with_body);
+int32_t feos_ng_request(struct feos_ng *ng, const nghttp2_nv *nva, size_t n, int with_body);
+uint32_t nghttp2_session_get_remote_settings(nghttp2_session *, int);
+
+int nghttp2_submit_settings(nghttp2_session *, uint8_t, const nghttp2_settings_entry *, size_t);
+int nghttp2_session_set_local_window_size(nghttp2_session *, uint8_t, int32_t, int32_t);
+ssize_t nghttp2_session_mem_recv(nghttp2_session *, const uint8_t *, size_t);
+ssize_t nghttp2_session_mem_send(nghttp2_session *, const uint8_t **);
+int nghttp2_submit_trailer(nghttp2_session *, int32_t, const nghttp2_nv *, size_t);
+int nghttp2_submit_rst_stream(nghttp2_session *, uint8_t, int32_t, uint32_t);
+int nghttp2_submit_ping(nghttp2_session *, uint8_t, const uint8_t *);
+int nghttp2_submit_goaway(nghttp2_session *, uint8_t, int32_t, uint32_t, const uint8_t *,
+                          size_t);
+int nghttp2_session_resume_data(nghttp2_session *, int32_t);
+int32_t nghttp2_session_get_last_proc_stream_id(nghttp2_session *);
+int nghttp2_session_terminate_session(nghttp2_session *, uint32_t);
+const char *nghttp2_strerror(int);
+
+extern "Python" int feos_ng_on_header(void *, int32_t, int, const uint8_t *, size_t);
+extern "Python" int feos_ng_on_field(void *, int32_t, const uint8_t *, size_t, const uint8_t *,
+                                     size_t);
+extern "Python" int feos_ng_on_frame(void *, const nghttp2_frame *);
+extern "Python" int feos_ng_on_data(void *, int32_t, const uint8_t *, size_t);
+extern "Python" int feos_ng_on_close(void *, int32_t, uint32_t);
+extern "Python" int feos_ng_on_goaway_sent(void *, const nghttp2_frame *);
+extern "Python" int feos_ng_on_error(void *, int, const char *, size_t);
+extern "Python" int feos_ng_on_late(void *, int32_t);
+extern "Python" ssize_t feos_ng_read(void *, int32_t, uint8_t *, size_t, uint32_t *);
+"""
+
+NGHTTP2_SOURCE = r"""
+#include <nghttp2/nghttp2.h>
+
+struct feos_ng {
+    nghttp2_session *session;
+    void *py;
+    size_t header_bytes;
+    size_t max_header_list;
+    int over;
+    int client;
+    int32_t drained_at;
+};
+
+static int feos_ng_on_header(void *, int32_t, int, const uint8_t *, size_t);
+static int feos_ng_on_field(void *, int32_t, const uint8_t *, size_t, const uint8_t *, size_t);
+static int feos_ng_on_frame(void *, const nghttp2_frame *);
+static int feos_ng_on_data(void *, int32_t, const uint8_t *, size_t);
+static int feos_ng_on_close(void *, int32_t, uint32_t);
+static int feos_ng_on_goaway_sent(void *, const nghttp2_frame *);
+static int feos_ng_on_error(void *, int, const char *, size_t);
+static int feos_ng_on_late(void *, int32_t);
+static ssize_t feos_ng_read(void *, int32_t, uint8_t *, size_t, uint32_t *);
+
+static int ng_begin_headers(nghttp2_session *s, const nghttp2_frame *frame, void *ud)
+{
+    ((struct feos_ng *)ud)->header_bytes = 0;
+    return 0;
+}
+
+/* A request that comes after the drain's GOAWAY: libnghttp2 ignores it without a word; the
+   core refuses it (RST_STREAM REFUSED_STREAM, once libnghttp2 has seen its id), as h2's does. */
+static int ng_begin_frame(nghttp2_session *s, const nghttp2_frame_hd *hd, void *ud)
+{
+    struct feos_ng *ng = ud;
+    if (ng->drained_at >= 0 && hd->type == NGHTTP2_HEADERS && (hd->stream_id & 1)
+        && hd->stream_id > ng->drained_at
+        && nghttp2_session_find_stream(s, hd->stream_id) == NULL)
+        return feos_ng_on_late(ng->py, hd->stream_id);
+    return 0;
+}
+
+static int ng_header(nghttp2_session *s, const nghttp2_frame *frame, const uint8_t *name,
+                     size_t namelen, const uint8_t *value, size_t valuelen, uint8_t flags,
+                     void *ud)
+{
+    struct feos_ng *ng = ud;
+    ng->header_bytes += namelen + valuelen + 32;
+    if (ng->header_bytes > ng->max_header_list) {
+        ng->over = 1;
+        return NGHTTP2_ERR_CALLBACK_FAILURE;  /* the connection's end: ENHANCE_YOUR_CALM */
+    }
+    if (ng->client)  /* an answer's headers and trailers: all of them */
+        return feos_ng_on_field(ng->py, frame->hd.stream_id, name, namelen, value, valuelen);
+    if (frame->hd.type != NGHTTP2_HEADERS || frame->headers.cat != NGHTTP2_HCAT_REQUEST)
+        return 0;  /* the peer's trailers: nothing the core reads */
+    if (namelen == 7 && memcmp(name, ":method", 7) == 0)
+        return feos_ng_on_header(ng->py, frame->hd.stream_id, 0, value, valuelen);
+    if (namelen == 5 && memcmp(name, ":path", 5) == 0)
+        return feos_ng_on_header(ng->py, frame->hd.stream_id, 1, value, valuelen);
+    return 0;
+}
+
+static int ng_frame_recv(nghttp2_session *s, const nghttp2_frame *frame, void *ud)
+{
+    struct feos_ng *ng = ud;
+    switch (frame->hd.type) {
+    case NGHTTP2_HEADERS:
+        ng->header_bytes = 0;
+        return feos_ng_on_frame(ng->py, frame);
+    case NGHTTP2_DATA:
+        if (frame->hd.flags & NGHTTP2_FLAG_END_STREAM)
+            return feos_ng_on_frame(ng->py, frame);
+        return 0;
+    case NGHTTP2_PING:
+        if ((frame->hd.flags & NGHTTP2_FLAG_ACK) || ng->client)
+            return feos_ng_on_frame(ng->py, frame);
+        return 0;
+    case NGHTTP2_RST_STREAM:
+    case NGHTTP2_GOAWAY:
+        return feos_ng_on_frame(ng->py, frame);
+    case NGHTTP2_SETTINGS:
+        if (ng->client && !(frame->hd.flags & NGHTTP2_FLAG_ACK))
+            return feos_ng_on_frame(ng->py, frame);
+        return 0;
+    }
+    return 0;
+}
+
+static int ng_data_chunk(nghttp2_session *s, uint8_t flags, int32_t stream_id,
+                         const uint8_t *data, size_t len, void *ud)
+{
+    return feos_ng_on_data(((struct feos_ng *)ud)->py, stream_id, data, len);
+}
+
+static int ng_stream_close(nghttp2_session *s, int32_t stream_id, uint32_t code, void *ud)
+{
+    return feos_ng_on_close(((struct feos_ng *)ud)->py, stream_id, code);
+}
+
+static int ng_frame_send(nghttp2_session *s, const nghttp2_frame *frame, void *ud)
+{
+    struct feos_ng *ng = ud;
+    if (frame->hd.type == NGHTTP2_GOAWAY)
+        return feos_ng_on_goaway_sent(ng->py, frame);
+    if (!ng->client
+        && (frame->hd.type == NGHTTP2_DATA || frame->hd.type == NGHTTP2_HEADERS)
+        && (frame->hd.flags & NGHTTP2_FLAG_END_STREAM)
+        && nghttp2_session_get_stream_remote_close(s, frame->hd.stream_id) == 0)
+        /* the answer ended before the request did: the rest of its upload stopped */
+        return nghttp2_submit_rst_stream(s, NGHTTP2_FLAG_NONE, frame->hd.stream_id,
+                                         NGHTTP2_NO_ERROR) == 0 ? 0
+                                                                : NGHTTP2_ERR_CALLBACK_FAILURE;
+    return 0;
+}
+
+static int ng_error(nghttp2_session *s, int code, const char *msg, size_t len, void *ud)
+{
+    return feos_ng_on_error(((struct feos_ng *)ud)->py, code, msg, len);
+}
+
+static ssize_t ng_read(nghttp2_session *s, int32_t stream_id, uint8_t *buf, size_t length,
+                       uint32_t *data_flags, nghttp2_data_source *source, void *ud)
+{
+    return feos_ng_read(((struct feos_ng *)ud)->py, stream_id, buf, length, data_flags);
+}
+
+static int feos_ng_new(struct feos_ng *ng, void *py, uint32_t max_header_list, int client)
+{
+    nghttp2_session_callbacks *cb;
+    nghttp2_option *opt;
+    int rv = nghttp2_session_callbacks_new(&cb);
+    if (rv != 0)
+        return rv;
+    nghttp2_session_callbacks_set_on_begin_headers_callback(cb, ng_begin_headers);
+    nghttp2_session_callbacks_set_on_begin_frame_callback(cb, ng_begin_frame);
+    nghttp2_session_callbacks_set_on_header_callback(cb, ng_header);
+    nghttp2_session_callbacks_set_on_frame_recv_callback(cb, ng_frame_recv);
+    nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cb, ng_data_chunk);
+    nghttp2_session_callbacks_set_on_stream_close_callback(cb, ng_stream_close);
+    nghttp2_session_callbacks_set_on_frame_send_callback(cb, ng_frame_send);
+    nghttp2_session_callbacks_set_error_callback2(cb, ng_error);
+    rv = nghttp2_option_new(&opt);
+    if (rv != 0) {
+        nghttp2_session_callbacks_del(cb);
+        return rv;
+    }
+    ng->py = py;
+    ng->header_bytes = 0;
+    ng->max_header_list = max_header_list;
+    ng->over = 0;
+    ng->client = client;
+    ng->drained_at = -1;
+    if (client)
+        rv = nghttp2_session_client_new2(&ng->session, cb, ng, opt);
+    else
+        rv = nghttp2_session_server_new2(&ng->session, cb, ng, opt);
+    nghttp2_option_del(opt);
+    nghttp2_session_callbacks_del(cb);
+    return rv;
+}
+
+static void feos_ng_del(struct feos_ng *ng)
+{
+    if (ng->session != NULL)
+        nghttp2_session_del(ng->session);
+    ng->session = NULL;
+}
+
+/* An answer's HEADERS, and its DATA pulled from the core (feos_ng_read) when with_body. */
+static int feos_ng_respond(struct feos_ng *ng, int32_t stream_id, const nghttp2_nv *nva,
+                           size_t n, int with_body)
+{
+    nghttp2_data_provider provider;
+    provider.source.ptr = NULL;
+    provider.read_callback = ng_read;
+    return nghttp2_submit_response(ng->session, stream_id, nva, n,
+                                   with_body ? &provider : NULL);
+}
+
+/* The client's request (the stream's id, or an error); its body pulled as an answer's. */
+static int32_t feos_ng_request(struct feos_ng *ng, const nghttp2_nv *nva, size_t n,
+                               int with_body)
+{
+    nghttp2_data_provider provider;
+    provider.source.ptr = NULL;
+    provider.read_callback = ng_read;
+    return nghttp2_submit_request(ng->session, NULL, nva, n, with_body ? &provider : NULL,
+                                  NULL);
+}
+"""
+
+nghttp2_builder = FFI()
+nghttp2_builder.cdef(NGHTTP2_CDEF)
+nghttp2_builder.set_source(
+    "feos._nghttp2",
+    "#include <stdint.h>\n#include <string.h>\n#include <sys/types.h>\n" + NGHTTP2_SOURCE,
+    libraries=["nghttp2"],
+    extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+)
+
+
+def build_in_place() -> list[pathlib.Path]:
+    """Compile into build/native and copy the modules beside feos/'s sources. feos._nghttp2
+    is left out (with a line saying why) where libnghttp2's headers are missing."""
     root = pathlib.Path(__file__).resolve().parent.parent
     work = root / "build" / "native"
     work.mkdir(parents=True, exist_ok=True)
-    built = work / ffibuilder.compile(tmpdir=str(work))
+    built = [_place(root, "_native", work / ffibuilder.compile(tmpdir=str(work)))]
+    if not pathlib.Path("/usr/include/nghttp2/nghttp2.h").exists():
+        print("feos._nghttp2 not built: no /usr/include/nghttp2/nghttp2.h (libnghttp2-dev); "
+              "the node connections run over h2", file=sys.stderr)
+        return built
+    built.append(_place(root, "_nghttp2", work / nghttp2_builder.compile(tmpdir=str(work))))
+    return built
+
+
+def _place(root: pathlib.Path, name: str, built: pathlib.Path) -> pathlib.Path:
     # cffi's C is Python's limited API: the name the install gives it, which nothing shadows
-    target = root / "feos" / "_native.abi3.so"
-    for other in target.parent.glob("_native.*.so"):
+    target = root / "feos" / f"{name}.abi3.so"
+    for other in target.parent.glob(f"{name}.*.so"):
         if other != target:
             other.unlink()  # another build's, which Python would load before this one
     tmp = target.with_suffix(".tmp")
@@ -594,4 +897,5 @@ def build_in_place() -> pathlib.Path:
 
 
 if __name__ == "__main__":
-    print(build_in_place(), file=sys.stderr)
+    for path in build_in_place():
+        print(path, file=sys.stderr)

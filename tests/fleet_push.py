@@ -32,6 +32,7 @@ import h2.exceptions
 import h2.settings
 import trio
 import trustme
+from fleet_ngclient import NgClientConnection
 
 from feos._names import camel
 from feos.errors import Code, FeosError
@@ -136,17 +137,23 @@ class PushClient:
     """The control plane's HTTP/2 client on one node connection (a TLSSocket, or any trio
     stream)."""
 
-    def __init__(self, stream: TLSSocket | trio.abc.Stream) -> None:
+    def __init__(self, stream: TLSSocket | trio.abc.Stream, *, http2: str = "h2") -> None:
         self.wire = stream if isinstance(stream, TLSSocket) else StreamWire(stream)
-        # the node validates what it takes; the control plane's own side need not check itself
-        self.h2 = _Counted(h2.config.H2Configuration(
-            client_side=True, header_encoding=None, validate_outbound_headers=False,
-            normalize_outbound_headers=False))
-        self.h2.count = lambda: 0 if self.ignore_limit else len(self._pending)
-        self.h2.local_settings = h2.settings.Settings(client=True, initial_values={
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 4 * 1024 * 1024,
-            h2.settings.SettingCodes.ENABLE_PUSH: 0,
-        })
+        self.h2: Any
+        if http2 == "nghttp2":  # the bench's: tests/fleet_ngclient.py
+            self.h2 = NgClientConnection(window=4 * 1024 * 1024)
+        elif http2 == "h2":
+            # the node validates what it takes; the control plane's side need not check itself
+            self.h2 = _Counted(h2.config.H2Configuration(
+                client_side=True, header_encoding=None, validate_outbound_headers=False,
+                normalize_outbound_headers=False))
+            self.h2.count = lambda: 0 if self.ignore_limit else len(self._pending)
+            self.h2.local_settings = h2.settings.Settings(client=True, initial_values={
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 4 * 1024 * 1024,
+                h2.settings.SettingCodes.ENABLE_PUSH: 0,
+            })
+        else:
+            raise ValueError(f"http2 is {http2!r}: h2 or nghttp2")
         self._pending: dict[int, _Pending] = {}
         self._send_lock = trio.Lock()
         self._dirty = trio.Event()
@@ -219,7 +226,19 @@ class PushClient:
                 return
             for event in events:
                 self._on(event)
-            self._dirty.set()
+            self._answer_now()
+
+    def _answer_now(self) -> None:
+        """What the node's bytes made us say (WINDOW_UPDATEs, acks), sent by the reader when
+        the wire is a TLSSocket: the writer is woken only for what the socket did not take."""
+        if isinstance(self.wire, TLSSocket) and not self._raw:
+            try:
+                self._send_now()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the reader sees the end
+            if not self.wire.pending:
+                return
+        self._dirty.set()
 
     def _on(self, event: h2.events.Event) -> None:
         sid = getattr(event, "stream_id", None)
@@ -268,6 +287,13 @@ class PushClient:
                 self.goaway = GoAway(int.from_bytes(payload[4:8], "big"),
                                      int.from_bytes(payload[:4], "big") & 0x7FFFFFFF,
                                      payload[8:])
+                # streams above its last stream id were not taken (RFC 9113 6.8), whether or
+                # not their RST_STREAM REFUSED_STREAM has come
+                for sid, pending in self._pending.items():
+                    if sid > self.goaway.last_stream_id and not pending.done.is_set():
+                        pending.response.reset = 7  # REFUSED_STREAM: not processed
+                        pending.done.set()
+                        pending.progress.set()
             elif not (kind == 6 and not flags & 1 and not self.answer_pings):
                 out += self._frames[at:end]
             at = end
@@ -301,7 +327,10 @@ class PushClient:
                 self._send_now()  # alone, or a batch: no hop to the writer
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # the reader sees the end
-        self._dirty.set()
+            if self.wire.pending or self._unsent:
+                self._dirty.set()
+        else:
+            self._dirty.set()
         return sid, pending
 
     def _send_body(self, sid: int, body: bytes, end: bool) -> None:
@@ -473,7 +502,8 @@ class PushListener:
     """The control plane's TLS port for node connections (trustme's CA)."""
 
     def __init__(self, ca: trustme.CA | None = None, *, alpn: str = ALPN,
-                 server_name: str = SERVER_NAME) -> None:
+                 server_name: str = SERVER_NAME, http2: str = "h2") -> None:
+        self.http2 = http2  # the clients' HTTP/2: h2's, or libnghttp2's (the bench's)
         self.ca = ca or trustme.CA()
         self.server_name = server_name
         self.cert = self.ca.issue_cert(server_name)
@@ -513,7 +543,7 @@ class PushListener:
             except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError):
                 return
             self.accepted += 1
-            client = PushClient(tls)
+            client = PushClient(tls, http2=self.http2)
             async with trio.open_nursery() as nursery:
                 await nursery.start(client.run)
                 await self._send.send(client)

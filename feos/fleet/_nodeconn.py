@@ -44,9 +44,9 @@ from ._h2server import (
     CallStarted,
     ConnectionEnded,
     PingAnswered,
-    ServerCore,
     StreamGone,
 )
+from ._nghttp2 import server_core
 from ._tls import TLSSocket
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,9 @@ class Connection:
                  ping_timeout: float = 20.0) -> None:
         self.tls = tls
         self.dispatcher = dispatcher
-        self.core = ServerCore(max_streams=max_streams, ping_interval=ping_interval,
-                               ping_timeout=ping_timeout)
+        # libnghttp2's core, or h2's (FEOS_FLEET_HTTP2=h2): feos/fleet/_nghttp2.py
+        self.core = server_core(max_streams=max_streams, ping_interval=ping_interval,
+                                ping_timeout=ping_timeout)
         self.calls: dict[int, trio.CancelScope] = {}
         self.ended: ConnectionEnded | None = None
         self.since = time.time()

@@ -110,7 +110,8 @@ def packages(version: str, dist: Dist, *, guest: str, firecracker: str,
                 "feos's Python package and the libraries it uses, for Debian's python3\n"
                 f" /usr/lib/feos/python: feos and its dependencies as wheels for Python {py},"
                 "\n installed as they are: nothing comes from pip or the network.",
-                depends=[f"python3 (>= {py})", f"python3 (<< {nxt})", "libc6"],
+                depends=[f"python3 (>= {py})", f"python3 (<< {nxt})", "libc6",
+                         "libnghttp2-14"],  # feos._nghttp2: the node connections' HTTP/2
                 section="python"),
         Package("feosd", v,
                 "the feos node agent: pods as microVMs\n"

@@ -113,13 +113,14 @@ def vendored_dependencies(dist: _plan.Dist) -> Path:
 
 
 def copy_feos(dest: Path) -> None:
-    """The feos package of the work tree, with its compiled feos._native (abi3: one build serves
-    every python3 from 3.11 on)."""
+    """The feos package of the work tree, with its compiled feos._native and feos._nghttp2
+    (abi3: one build serves every python3 from 3.11 on)."""
     native = REPO / "feos/_native.abi3.so"
     if not native.exists():
         run(*pip()[:1], str(REPO / "native/build.py"), cwd=REPO)
     shutil.copytree(REPO / "feos", dest / "feos", ignore=shutil.ignore_patterns(
-        "__pycache__", "*.pyc", "_native.c", "_native.*.tmp", "*.o"))
+        "__pycache__", "*.pyc", "_native.c", "_native.*.tmp", "_nghttp2.c", "_nghttp2.*.tmp",
+        "*.o"))
     # the Cap'n Proto schemas, where feos._schema looks first (beside the package's modules)
     shutil.copytree(REPO / "schema", dest / "feos/schema",
                     ignore=shutil.ignore_patterns("*.py", "__pycache__"))

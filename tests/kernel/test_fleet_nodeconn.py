@@ -33,6 +33,7 @@ from fleet_push import LinkThread, PushListener
 from feos import _schema
 from feos.errors import Code
 from feos.fleet._calls import Dispatcher
+from feos.fleet._nghttp2 import NgServerCore, server_core
 from feos.fleet._nodeconn import NodeConnections, Target, stop_message
 from feos.pods import VolumeService
 from feos.pods._events import EventHub
@@ -260,6 +261,15 @@ async def test_bad_input_ends_its_stream_or_its_connection_and_the_other_goes_on
         client.ignore_limit = True
         opened = [await client.request("/pods/getPod", _body("pods", "getPod", id=f"p{i}"))
                   for i in range(1030)]
+        if isinstance(server_core(), NgServerCore):
+            # libnghttp2: past the limit the peer acknowledged, the connection's error
+            await until(lambda: client.goaway is not None)
+            assert client.goaway is not None
+            assert client.goaway.error_code == ErrorCodes.PROTOCOL_ERROR
+            assert b"max concurrent streams" in client.goaway.additional_data
+            await until(lambda: pods.waiting == 0)  # the calls taken were dropped with it
+            assert (await bystander.call_ok("volumes", "listVolumes", {}))["status"]
+            return
         await until(lambda: sum(p.response.reset is not None for _s, p in opened) == 6)
         refused = [p.response.reset for _s, p in opened if p.response.reset is not None]
         assert refused == [ErrorCodes.REFUSED_STREAM] * 6
@@ -292,7 +302,8 @@ async def test_a_peer_refused_by_verify_or_without_alpn_gets_no_http2(tmp_path: 
         cp.server_ctx.set_alpn_protocols(["h2"])
         async with node(tmp_path, [cp]) as (link, _volumes, _pods):
             await until(lambda: "ALPN" in link.conns.info()[0]["lastError"])
-            assert cp.accepted >= 1
+            # the listener's side of the handshake may end after the node has refused
+            await until(lambda: cp.accepted >= 1)
 
 
 def _body(service: str, method: str, **params: Any) -> bytes:

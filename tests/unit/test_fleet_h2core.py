@@ -1,4 +1,6 @@
-"""The node connection's HTTP/2 core (feos.fleet._h2server) without sockets.
+"""The node connection's HTTP/2 cores without sockets: h2's (feos.fleet._h2server) and
+libnghttp2's (feos.fleet._nghttp2), each test run against both (`ServerCore` is the one of the
+module-scoped `core_kind`).
 
 A peer is written frame by frame (hyperframe and hpack, so it can break the rules h2's own
 client keeps), or is h2's client for the well-behaved cases; the core's output is read back as
@@ -32,6 +34,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from feos.errors import Code
+from feos.fleet import _h2server, _nghttp2
 from feos.fleet._h2server import (
     MAX_BODY,
     CallStarted,
@@ -40,6 +43,18 @@ from feos.fleet._h2server import (
     ServerCore,
     StreamGone,
 )
+
+
+@pytest.fixture(autouse=True, scope="module", params=["h2", "nghttp2"])
+def core_kind(request: pytest.FixtureRequest) -> Any:
+    """The core the module's tests build as `ServerCore`."""
+    global ServerCore
+    if request.param == "nghttp2" and not _nghttp2.available():
+        pytest.skip(f"feos._nghttp2 is not built: {_nghttp2.MISSING}")
+    ServerCore = (_h2server.ServerCore if request.param == "h2"  # type: ignore[misc]
+                  else _nghttp2.NgServerCore)
+    yield request.param
+    ServerCore = _h2server.ServerCore  # type: ignore[misc]
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 REQUEST = [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"node"),
