@@ -207,6 +207,29 @@ def update(state: MeshState, from_version: int, to_version: int, put_peers: Sequ
     return attrs.evolve(state, version=to_version, peers=_sorted([*kept, *put_peers]))
 
 
+def replayed(state: MeshState, to_version: int, put_peers: Iterable[Peer],
+             remove: Iterable[bytes]) -> MeshState:
+    """An update kept before applied again (mesh.pb's journal at the start): checked when it was
+    kept, so not again; the same state as `update` gave then."""
+    peers = state.peer_map()
+    for key in remove:
+        peers.pop(key, None)
+    for peer in put_peers:
+        peers[peer.public_key] = peer
+    return attrs.evolve(state, version=to_version, peers=_sorted(peers.values()))
+
+
+def update_changes(old: MeshState, put_peers: Iterable[Peer],
+                   remove: Iterable[bytes]) -> PeerChanges:
+    """`changes(old.peers, update(old, ...).peers)` from the update alone: what it removes and
+    does not put again, what it puts that differs; the kept peers not looked at."""
+    before = old.peer_map()
+    putting = {p.public_key: p for p in put_peers}
+    gone = tuple(sorted(k for k in set(remove) if k not in putting and k in before))
+    setting = tuple(p for k, p in sorted(putting.items()) if before.get(k) != p)
+    return PeerChanges(gone, setting)
+
+
 def changes(old: Iterable[Peer], new: Iterable[Peer]) -> PeerChanges:
     before = {p.public_key: p for p in old}
     after = {p.public_key: p for p in new}

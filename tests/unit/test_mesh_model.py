@@ -173,3 +173,15 @@ def test_overlaps_found_as_pairwise_would(picks: list[tuple[int, int]]) -> None:
         assert e.code == Code.INVALID_ARGUMENT and "overlaps" in e.message
         found = True
     assert found == pairwise
+
+
+@given(st.dictionaries(st.integers(1, 20), st.integers(0, 2)),
+       st.dictionaries(st.integers(1, 20), st.integers(0, 2)), st.sets(st.integers(1, 20)))
+def test_an_updates_changes_are_those_of_its_states(old: dict[int, int], put: dict[int, int],
+                                                    remove: set[int]) -> None:
+    state = m.put(STATE, 1, [peer(n, f"192.0.2.{n}:{51820 + p}") for n, p in old.items()])
+    putting = [peer(n, f"192.0.2.{n}:{51820 + p}") for n, p in put.items()]
+    gone = [bytes([n + 1]) * 32 for n in remove if n in old]
+    new = m.update(state, 1, 2, putting, gone)
+    assert m.update_changes(state, putting, gone) == m.changes(state.peers, new.peers)
+    assert m.replayed(state, 2, putting, gone) == new
