@@ -284,8 +284,8 @@ class Mesh:
         async with self._lock:
             self._ready()
             new = model.put(self.state, version, peers)  # every check before anything changes
-            await trio.to_thread.run_sync(self.store.keep, new)
-            await self._now(new, model.changes(self.state.peers, new.peers))
+            await self._keep_and_apply(lambda: self.store.keep(new), new,
+                                       model.changes(self.state.peers, new.peers))
         self.on_change()
         return {}
 
@@ -298,8 +298,8 @@ class Mesh:
             self._ready()
             new = model.update(self.state, from_version, to_version, put, remove)
             kept = KeptUpdate(from_version, to_version, put, tuple(remove))
-            await trio.to_thread.run_sync(self.store.keep_update, new, kept)
-            await self._now(new, model.update_changes(self.state, put, remove))
+            await self._keep_and_apply(lambda: self.store.keep_update(new, kept), new,
+                                       model.update_changes(self.state, put, remove))
         self.on_change()
         return {}
 
@@ -310,10 +310,24 @@ class Mesh:
         if self.reason is not None:
             raise FeosError(Code.FAILED_PRECONDITION, self.reason)
 
-    async def _now(self, new: MeshState, changes: PeerChanges) -> None:
-        """`new` kept: seen from now on, and the device told what changed."""
-        self.state = new
-        await trio.to_thread.run_sync(self.device.apply, changes)
+    async def _keep_and_apply(self, keep: Callable[[], None], new: MeshState,
+                              changes: PeerChanges) -> None:
+        """`new` kept, then the device told what changed, on one trip to a worker thread (on a
+        busy machine each trip waits for the scheduler); `new` is the state once it is kept,
+        whether the device took the change or not (the next start gives it again)."""
+        kept = False
+
+        def work() -> None:
+            nonlocal kept
+            keep()
+            kept = True
+            self.device.apply(changes)
+
+        try:
+            await trio.to_thread.run_sync(work)
+        finally:
+            if kept:
+                self.state = new
 
     def close(self) -> None:
         self.device.close()

@@ -166,7 +166,8 @@ def _check_apart(state: MeshState, peers: Sequence[Peer], field: str, checked: i
         if widest is not None and item[0] <= widest[1]:
             (_, _, j), (_, _, k) = sorted([widest, item], key=lambda n: n[2])
             whose = ("the node's own prefix " + str(state.node_prefix) if j < 0
-                     else f"{field}[{j - checked}]'s {peers[j].prefix}")
+                     else f"the node's peer {peers[j].key_text()}'s {peers[j].prefix}"
+                     if j < checked else f"{field}[{j - checked}]'s {peers[j].prefix}")
             raise invalid(f"{field}[{k - checked}].prefix", f"{peers[k].prefix} overlaps {whose}")
         if widest is None or item[1] > widest[1]:
             widest = item

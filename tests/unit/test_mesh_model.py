@@ -105,6 +105,10 @@ def test_prefixes_inside_the_ula_and_apart() -> None:
         m.put(STATE, 1, [peer(2), peer(2, prefix="fd12:3456:789a:1:0:9::/96")])
     with refused(Code.INVALID_ARGUMENT, "node's own key"):
         m.put(STATE, 1, [m.Peer(STATE.public_key, peer(2).endpoint, peer(2).prefix)])
+    kept = m.put(STATE, 1, [peer(2), peer(3)])
+    with refused(Code.INVALID_ARGUMENT, "put[1].prefix", f"the node's peer {peer(3).key_text()}'s "
+                 f"{peer(3).prefix}"):
+        m.update(kept, 1, 2, [peer(4), peer(5, prefix=str(peer(3).prefix))], [])
 
 
 def test_peers_of_a_48_mesh_may_be_64s() -> None:
