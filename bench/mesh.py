@@ -6,14 +6,16 @@ PutMeshPeers of 1,000.
 one, feos.net's Mesh makes and configures feos-mesh on each side as feosd does (JoinMesh's
 answer, then the other side as the one peer); in the other, wireguard-go is started and set up
 by hand (`wg set`, `ip link`, `ip route`) with the same kind of keys, MTU and prefixes. iperf3
-runs between an address of each side's /96 for 4 s, the two setups in turn, ROUNDS times, in two
-sessions: one with feosd's setup made first, one with the hand-made one first (on this machine
-the setup made first measures slower, whichever it is). The medians are compared.
+runs between an address of each side's /96 for 3 s, the two setups back to back (a pair, each
+first every other pair), ROUNDS_T pairs in each of two sessions: one with feosd's setup made
+first, one with the hand-made one first. The ratio is the median of the pairs' ratios: the load
+of the rest of the machine drifts over a run, and falls on both streams of a pair alike.
 
 (2) One Mesh in a namespace with 1,000 peers: a PutMeshPeers of 1,000 new peers (from none)
 beside an UpdateMeshPeers that changes one peer's endpoint a second later (not in the write-back
-of the put's own write), each timed whole as a call takes it (the checks, mesh.pb written and
-synced, the device told), median of ROUNDS.
+of the put's own write), each timed whole as a call takes it (the checks, the change kept and
+synced: mesh.pb whole for the put, one entry of its journal for the update; the device told),
+median of ROUNDS.
 
 Run as root: .venv/bin/python bench/mesh.py. The last lines are the `ratio ...` lines.
 """

@@ -8,9 +8,10 @@ earlier prefix left, and gives the device the kept peers: what differs from what
 JoinMesh's answer (`take_join`, from the uplink) brings the ULA and the node's prefix; the first
 one the node gets is its pod prefix (`prefix`, `prefix_given`), a later other one takes effect at
 the next start. The peers' changes (`put_mesh_peers`, `update_mesh_peers`) are checked whole
-before anything changes, kept in mesh.pb, then given to the device; `on_change` tells the table
-(the peers' endpoints are denied to pods). One change at a time (`_lock`); GetMesh reads the
-state, which is replaced whole.
+before anything changes, kept (`MeshStore`: a put in mesh.pb written whole, an update as one
+synced entry of mesh.pb's journal, replayed at the next start), then given to the device;
+`on_change` tells the table (the peers' endpoints are denied to pods). One change at a time
+(`_lock`); GetMesh reads the state, which is replaced whole.
 """
 
 from __future__ import annotations
