@@ -87,8 +87,8 @@ async def feosd_mesh(names: dict[str, str], root: Path) -> list[Mesh]:
 def hand_made(names: dict[str, str], root: Path, procs: list[subprocess.Popen[bytes]]) -> None:
     """wireguard-go and wg(8), as an operator would set them up (a device name each: their
     UAPI sockets share /run/wireguard); its processes in `procs`, ended by the caller. Each in
-    a session of its own, as feosd's is and as wireguard-go without -f puts itself: the
-    scheduler's autogroups (one per session) then weigh both setups' processes alike."""
+    a session of its own, as feosd's is: the scheduler's autogroups (one per session) then
+    weigh both setups' processes alike."""
     tag = secrets.token_hex(3)
     devs = {n: f"wg{n}{tag}" for n in names}
     root.mkdir(parents=True, exist_ok=True)
