@@ -6,14 +6,16 @@ PutMeshPeers of 1,000.
 one, feos.net's Mesh makes and configures feos-mesh on each side as feosd does (JoinMesh's
 answer, then the other side as the one peer); in the other, wireguard-go is started and set up
 by hand (`wg set`, `ip link`, `ip route`) with the same kind of keys, MTU and prefixes. iperf3
-runs between an address of each side's /96 for 4 s, the two setups in turn, ROUNDS times, in two
-sessions: one with feosd's setup made first, one with the hand-made one first (on this machine
-the setup made first measures slower, whichever it is). The medians are compared.
+runs between an address of each side's /96 for 3 s, the two setups back to back (a pair, each
+first every other pair), ROUNDS_T pairs in each of two sessions: one with feosd's setup made
+first, one with the hand-made one first. The ratio is the median of the pairs' ratios: the load
+of the rest of the machine drifts over a run, and falls on both streams of a pair alike.
 
 (2) One Mesh in a namespace with 1,000 peers: a PutMeshPeers of 1,000 new peers (from none)
 beside an UpdateMeshPeers that changes one peer's endpoint a second later (not in the write-back
-of the put's own write), each timed whole as a call takes it (the checks, mesh.pb written and
-synced, the device told), median of ROUNDS.
+of the put's own write), each timed whole as a call takes it (the checks, the change kept and
+synced: mesh.pb whole for the put, one entry of its journal for the update; the device told),
+median of ROUNDS.
 
 Run as root: .venv/bin/python bench/mesh.py. The last lines are the `ratio ...` lines.
 """
@@ -38,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from feos.net import Mesh, UapiDevice
 
 ROUNDS = 5
-SECONDS = 4
+ROUNDS_T = 12  # pairs of streams per session
+SECONDS = 3
 PEERS = 1000
 ULA = ip.IPv6Network("fd12:3456:789a:1::/64")
 PREFIX = {"a": ip.IPv6Network("fd12:3456:789a:1:0:1::/96"),
@@ -83,7 +86,9 @@ async def feosd_mesh(names: dict[str, str], root: Path) -> list[Mesh]:
 
 def hand_made(names: dict[str, str], root: Path, procs: list[subprocess.Popen[bytes]]) -> None:
     """wireguard-go and wg(8), as an operator would set them up (a device name each: their
-    UAPI sockets share /run/wireguard); its processes in `procs`, ended by the caller."""
+    UAPI sockets share /run/wireguard); its processes in `procs`, ended by the caller. Each in
+    a session of its own, as feosd's is: the scheduler's autogroups (one per session) then
+    weigh both setups' processes alike."""
     tag = secrets.token_hex(3)
     devs = {n: f"wg{n}{tag}" for n in names}
     root.mkdir(parents=True, exist_ok=True)
@@ -97,7 +102,7 @@ def hand_made(names: dict[str, str], root: Path, procs: list[subprocess.Popen[by
     for n, ns in names.items():
         procs.append(subprocess.Popen(["ip", "netns", "exec", ns, "wireguard-go", "-f", devs[n]],
                                       env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL))
+                                      stderr=subprocess.DEVNULL, start_new_session=True))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not all(
             Path(f"/run/wireguard/{d}.sock").exists() for d in devs.values()):
@@ -112,24 +117,25 @@ def hand_made(names: dict[str, str], root: Path, procs: list[subprocess.Popen[by
         sh("ip", "-n", ns, "-6", "route", "add", str(ULA), "dev", dev)
 
 
-def iperf(names: dict[str, str]) -> float:
-    """Bits per second received, a TCP stream from a's /96 to b's for SECONDS."""
+def iperf(names: dict[str, str], seconds: int = SECONDS) -> float:
+    """Bits per second received, a TCP stream from a's /96 to b's for `seconds`."""
     server = subprocess.Popen(["ip", "netns", "exec", names["b"], "iperf3", "-s", "-1", "-B",
                                str(PREFIX["b"][5])], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
         time.sleep(0.3)
         out = sh("ip", "netns", "exec", names["a"], "iperf3", "-J", "-c", str(PREFIX["b"][5]),
-                 "-B", str(PREFIX["a"][5]), "-t", str(SECONDS))
+                 "-B", str(PREFIX["a"][5]), "-t", str(seconds))
         return float(json.loads(out)["end"]["sum_received"]["bits_per_second"])
     finally:
         server.wait(10)
 
 
-def session(root: Path, *, feos_first: bool, rounds: int) -> dict[str, list[float]]:
-    """Both setups made (in the order asked), then measured in turn, each first every other
-    round. The setup made first measures slower here whichever it is (two feosd setups side by
-    side differ as much): the caller runs a session of each order."""
+def session(root: Path, *, feos_first: bool, rounds: int) -> list[tuple[float, float]]:
+    """Both setups made (in the order asked), then measured in pairs, one right after the other,
+    each first every other pair (ABBA); (mesh, hand-made) per pair. The setup made first measured
+    slower here whichever it was (two feosd setups side by side differed as much): the caller
+    runs a session of each order."""
     made: list[str] = []
     procs: list[subprocess.Popen[bytes]] = []
     meshes: list[Mesh] = []
@@ -142,15 +148,20 @@ def session(root: Path, *, feos_first: bool, rounds: int) -> dict[str, list[floa
                 meshes = trio.run(feosd_mesh, names[which], root / "feos")
             else:
                 hand_made(names[which], root, procs)
-        got: dict[str, list[float]] = {"mesh": [], "hand": []}
+        for which in names:
+            iperf(names[which], seconds=1)  # a first stream each: its handshake, its caches
+        got: list[tuple[float, float]] = []
         for r in range(rounds):
+            pair_bps: dict[str, float] = {}
             for which in (("mesh", "hand") if r % 2 == 0 else ("hand", "mesh")):
-                got[which].append(iperf(names[which]))
+                pair_bps[which] = iperf(names[which])
+            got.append((pair_bps["mesh"], pair_bps["hand"]))
         return got
     finally:
         for m in meshes:
             assert isinstance(m.device, UapiDevice)
             m.device.stop()
+            m.close()
         for p in procs:
             p.terminate()
             p.wait(10)
@@ -159,16 +170,28 @@ def session(root: Path, *, feos_first: bool, rounds: int) -> dict[str, list[floa
 
 
 def throughput_part(root: Path) -> tuple[list[str], list[str]]:
-    got: dict[str, list[float]] = {"mesh": [], "hand": []}
+    """The ratio is the median of the pairs' ratios: each pair measured within seconds of
+    itself, so that the load of the rest of the machine, which changes over a run, falls on
+    both of a pair alike."""
+    pairs: list[tuple[float, float]] = []
+    lines = []
     for n, feos_first in enumerate((True, False)):
-        part = session(root / str(n), feos_first=feos_first, rounds=ROUNDS)
-        for which in got:
-            got[which] += part[which]
-    mesh, hand_bps = statistics.median(got["mesh"]), statistics.median(got["hand"])
-    lines = [f"TCP over feos-mesh (feosd's setup): {mesh / 1e6:.0f} Mbit/s (median of "
-             f"{len(got['mesh'])})",
-             f"TCP over wireguard-go set up with wg(8): {hand_bps / 1e6:.0f} Mbit/s"]
-    return lines, [f"ratio mesh / hand-made wireguard-go: {mesh / hand_bps:.3f} (target >= 0.9)"]
+        part = session(root / str(n), feos_first=feos_first, rounds=ROUNDS_T)
+        pairs += part
+        lines.append(f"session {n + 1} ({'feosd' if feos_first else 'the hand-made'} setup "
+                     f"made first): mesh {statistics.median(a for a, _ in part) / 1e6:.0f}, "
+                     f"hand-made {statistics.median(b for _, b in part) / 1e6:.0f} Mbit/s")
+    mesh = statistics.median(a for a, _ in pairs)
+    hand_bps = statistics.median(b for _, b in pairs)
+    ratios = sorted(a / b for a, b in pairs)
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    lines += [f"TCP over feos-mesh (feosd's setup): {mesh / 1e6:.0f} Mbit/s (median of "
+              f"{len(pairs)})",
+              f"TCP over wireguard-go set up with wg(8): {hand_bps / 1e6:.0f} Mbit/s",
+              f"the pairs' ratios: {ratios[0]:.3f} to {ratios[-1]:.3f}, quartiles {q1:.3f} "
+              f"and {q3:.3f}"]
+    return lines, [f"ratio mesh / hand-made wireguard-go: {statistics.median(ratios):.3f} "
+                   "(target >= 0.9)"]
 
 
 def peer(n: int, port: int = 51820) -> dict[str, object]:
@@ -202,6 +225,7 @@ async def peers_part_async(root: Path, ns: str) -> tuple[list[str], list[str]]:
     finally:
         assert isinstance(mesh.device, UapiDevice)
         mesh.device.stop()
+        mesh.close()
     put, update = statistics.median(puts), statistics.median(updates)
     lines = [f"PutMeshPeers of {PEERS} peers: {put * 1e3:.1f} ms (median of {ROUNDS})",
              f"UpdateMeshPeers of one peer, {PEERS} present: {update * 1e3:.2f} ms"]

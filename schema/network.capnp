@@ -83,6 +83,14 @@ struct Mesh {
   peers @5 :List(MeshPeer);
 }
 
+struct MeshUpdate {
+  # One UpdateMeshPeers as mesh/.journal keeps it beside mesh.pb (docs/network.md).
+  fromVersion @0 :UInt64;
+  toVersion @1 :UInt64;
+  put @2 :List(MeshPeer);
+  remove @3 :List(Data);
+}
+
 interface MeshService {
   putMeshPeers @0 (version :UInt64, peers :List(MeshPeer)) -> (status :Common.Status);
   updateMeshPeers @1 (fromVersion :UInt64, toVersion :UInt64, put :List(MeshPeer),

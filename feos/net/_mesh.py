@@ -8,9 +8,10 @@ earlier prefix left, and gives the device the kept peers: what differs from what
 JoinMesh's answer (`take_join`, from the uplink) brings the ULA and the node's prefix; the first
 one the node gets is its pod prefix (`prefix`, `prefix_given`), a later other one takes effect at
 the next start. The peers' changes (`put_mesh_peers`, `update_mesh_peers`) are checked whole
-before anything changes, kept in mesh.pb, then given to the device; `on_change` tells the table
-(the peers' endpoints are denied to pods). One change at a time (`_lock`); GetMesh reads the
-state, which is replaced whole.
+before anything changes, kept (`MeshStore`: a put in mesh.pb written whole, an update as one
+synced entry of mesh.pb's journal, replayed at the next start), then given to the device;
+`on_change` tells the table (the peers' endpoints are denied to pods). One change at a time
+(`_lock`); GetMesh reads the state, which is replaced whole.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import ipaddress
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,8 @@ import trio
 from feos.errors import Code, FeosError
 
 from .. import _schema
+from .._journal import NAME as JOURNAL_NAME
+from .._journal import Entry, Journal, entry_size
 from ..records import write_whole
 from . import _mesh_model as model
 from ._links import ensure_sysctl, in_thread
@@ -62,6 +66,7 @@ def mesh_key(path: Path) -> tuple[bytes, bytes]:
 
 
 def load_state(path: Path) -> MeshState:
+    """mesh.pb alone (without its journal: `MeshStore.open` reads both)."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -70,9 +75,8 @@ def load_state(path: Path) -> MeshState:
         return model.state_from_dict(reader.to_dict())
 
 
-def keep_state(path: Path, state: MeshState) -> None:
-    """mesh.pb written whole; built field by field (pycapnp's dict form takes ~6x as long)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+def encode_state(state: MeshState) -> bytes:
+    """mesh.pb's bytes; built field by field (pycapnp's dict form takes ~6x as long)."""
     msg = _schema.network().Mesh.new_message(
         ula=str(state.ula or ""), nodePrefix=str(state.node_prefix or ""),
         publicKey=state.public_key, port=state.port, version=state.version)
@@ -80,7 +84,128 @@ def keep_state(path: Path, state: MeshState) -> None:
     for i, peer in enumerate(state.peers):
         entry = peers[i]
         entry.publicKey, (entry.endpoint, entry.prefix) = peer.public_key, peer.texts
-    write_whole(path, msg.to_bytes())
+    return bytes(msg.to_bytes())
+
+
+def keep_state(path: Path, state: MeshState) -> None:
+    """mesh.pb written whole (synced, renamed into place, its directory synced)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    write_whole(path, encode_state(state))
+
+
+@attrs.frozen
+class KeptUpdate:
+    """One UpdateMeshPeers as the journal holds it (a feos.network MeshUpdate)."""
+
+    from_version: int
+    to_version: int
+    put: tuple[Peer, ...]
+    remove: tuple[bytes, ...]
+
+    def encode(self) -> bytes:
+        msg = _schema.network().MeshUpdate.new_message(fromVersion=self.from_version,
+                                                       toVersion=self.to_version)
+        entries = msg.init("put", len(self.put))
+        for i, peer in enumerate(self.put):
+            entry = entries[i]
+            entry.publicKey, (entry.endpoint, entry.prefix) = peer.public_key, peer.texts
+        keys = msg.init("remove", len(self.remove))
+        for i, key in enumerate(self.remove):
+            keys[i] = key
+        return bytes(msg.to_bytes())
+
+    @classmethod
+    def decode(cls, data: bytes) -> KeptUpdate:
+        with _schema.network().MeshUpdate.from_bytes(data) as reader:
+            d = reader.to_dict()
+        return cls(int(d.get("fromVersion", 0)), int(d.get("toVersion", 0)),
+                   model.parse_peers(d.get("put", []), "mesh journal's put"),
+                   tuple(bytes(k) for k in d.get("remove", [])))
+
+
+UPDATE = "update"  # the journal's entries' name
+JOURNAL_CAPACITY = 256 << 10
+FOLD_AT = 64 << 10
+"""Bytes of updates in the journal after which the next one folds them into mesh.pb whole."""
+
+
+class MeshStore:
+    """mesh.pb and its journal, <mesh dir>/.journal (feos._journal), used under the mesh's lock
+    on worker threads. A put or a join writes mesh.pb whole and then starts the journal's next
+    generation; an update is one entry appended to the journal and synced (one fdatasync of
+    blocks the file has: no metadata), its encoding its own peers' alone, until FOLD_AT bytes of
+    them, when mesh.pb is written whole instead. `open` reads mesh.pb and replays the journal's
+    updates in order: one from the version reached is applied, any other is older than mesh.pb
+    (a whole write that a crash kept from starting the next generation) and passed over; what
+    was replayed is then folded into mesh.pb."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.path = self.directory / "mesh.pb"
+        self._journal: Journal | None = None
+
+    def open(self) -> MeshState:
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.close()
+        state = load_state(self.path)
+        try:
+            found = Journal.recover(self.directory, os.fdatasync)
+        except ValueError as e:
+            aside = self.directory / f"{JOURNAL_NAME}.broken-{int(time.time())}"
+            log.warning("the mesh: %s; set aside as %s", e, aside.name)
+            os.rename(self.directory / JOURNAL_NAME, aside)
+            found = None
+        if found is None:
+            dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                self._journal = Journal.make(self.directory, dir_fd, JOURNAL_CAPACITY,
+                                             os.fdatasync, os.fsync)
+            finally:
+                os.close(dir_fd)
+            return state
+        self._journal, entries = found
+        replayed = 0
+        for entry in entries:
+            if entry.name != UPDATE or entry.data is None:
+                continue
+            kept = KeptUpdate.decode(entry.data)
+            if kept.from_version == state.version and kept.to_version > state.version:
+                state = model.replayed(state, kept.to_version, kept.put, kept.remove)
+                replayed += 1
+        if entries:
+            if replayed:
+                log.info("the mesh: %d updates replayed from the journal, to version %d",
+                         replayed, state.version)
+            self.keep(state)
+        return state
+
+    def keep(self, state: MeshState) -> None:
+        """The state whole: mesh.pb written, then the journal's updates no longer read."""
+        keep_state(self.path, state)
+        journal = self._journaled()
+        if journal.used or journal.broken:
+            journal.reset(JOURNAL_CAPACITY)
+
+    def keep_update(self, new: MeshState, update: KeptUpdate) -> None:
+        """An update from the state kept before to `new`: appended to the journal, or, once
+        the journal holds FOLD_AT bytes (or cannot take it), `new` kept whole."""
+        journal = self._journaled()
+        data = update.encode()
+        size = entry_size(UPDATE, data)
+        if journal.used + size > FOLD_AT or not journal.fits(size):
+            self.keep(new)
+            return
+        journal.append([Entry(UPDATE, data)])
+
+    def close(self) -> None:
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
+
+    def _journaled(self) -> Journal:
+        if self._journal is None:
+            raise FeosError(Code.FAILED_PRECONDITION, "the mesh's store is not open")
+        return self._journal
 
 
 def device_changes(have: tuple[DevicePeer, ...], want: tuple[Peer, ...]) -> PeerChanges:
@@ -98,7 +223,8 @@ class Mesh:
 
     def __init__(self, mesh_dir: Path, run_dir: Path, port: int, *, netns: str | None = None,
                  device: WgDevice | None = None) -> None:
-        self.path = Path(mesh_dir) / "mesh.pb"
+        self.store = MeshStore(Path(mesh_dir))
+        self.path = self.store.path
         self.key_path = Path(mesh_dir) / "key"
         self.port = port
         self.netns = netns
@@ -119,7 +245,7 @@ class Mesh:
 
     async def start(self) -> None:
         async with self._lock:
-            state = await trio.to_thread.run_sync(load_state, self.path)
+            state = await trio.to_thread.run_sync(self.store.open)
             private, public = await trio.to_thread.run_sync(mesh_key, self.key_path)
             self.state = attrs.evolve(state, public_key=public, port=self.port)
             await trio.to_thread.run_sync(self.device.ensure, private, self.port)
@@ -141,7 +267,7 @@ class Mesh:
             state = model.joined(self.state, {**answer, "publicKey": self.state.public_key,
                                               "port": self.port})
             if state != self.state:
-                await trio.to_thread.run_sync(keep_state, self.path, state)
+                await trio.to_thread.run_sync(self.store.keep, state)
                 self.state = state
             if self.prefix is None and state.ula is not None and state.node_prefix is not None:
                 await in_thread(self.netns, set_routes, state.ula, state.node_prefix)
@@ -155,32 +281,58 @@ class Mesh:
 
     async def put_mesh_peers(self, params: dict[str, Any]) -> dict[str, Any]:
         peers = model.parse_peers(params.get("peers", []), "peers")
-        await self._change(lambda s: model.put(s, int(params.get("version", 0)), peers))
+        version = int(params.get("version", 0))
+        async with self._lock:
+            self._ready()
+            new = model.put(self.state, version, peers)  # every check before anything changes
+            await self._keep_and_apply(lambda: self.store.keep(new), new,
+                                       model.changes(self.state.peers, new.peers))
+        self.on_change()
         return {}
 
     async def update_mesh_peers(self, params: dict[str, Any]) -> dict[str, Any]:
         put = model.parse_peers(params.get("put", []), "put")
         remove = [bytes(k) for k in params.get("remove", [])]
-        await self._change(lambda s: model.update(s, int(params.get("fromVersion", 0)),
-                                                  int(params.get("toVersion", 0)), put, remove))
+        from_version = int(params.get("fromVersion", 0))
+        to_version = int(params.get("toVersion", 0))
+        async with self._lock:
+            self._ready()
+            new = model.update(self.state, from_version, to_version, put, remove)
+            kept = KeptUpdate(from_version, to_version, put, tuple(remove))
+            await self._keep_and_apply(lambda: self.store.keep_update(new, kept), new,
+                                       model.update_changes(self.state, put, remove))
+        self.on_change()
         return {}
 
     async def get_mesh(self, params: dict[str, Any]) -> dict[str, Any]:
         return {"mesh": model.state_to_dict(self.state)}
 
-    async def _change(self, step: Callable[[MeshState], MeshState]) -> None:
-        async with self._lock:
-            if self.reason is not None:
-                raise FeosError(Code.FAILED_PRECONDITION, self.reason)
-            new = step(self.state)  # every check before anything changes
-            await trio.to_thread.run_sync(keep_state, self.path, new)
-            old, self.state = self.state, new
-            await trio.to_thread.run_sync(self.device.apply,
-                                          model.changes(old.peers, new.peers))
-        self.on_change()
+    def _ready(self) -> None:
+        if self.reason is not None:
+            raise FeosError(Code.FAILED_PRECONDITION, self.reason)
+
+    async def _keep_and_apply(self, keep: Callable[[], None], new: MeshState,
+                              changes: PeerChanges) -> None:
+        """`new` kept, then the device told what changed, on one trip to a worker thread (on a
+        busy machine each trip waits for the scheduler); `new` is the state once it is kept,
+        whether the device took the change or not (the next start gives it again)."""
+        kept = False
+
+        def work() -> None:
+            nonlocal kept
+            keep()
+            kept = True
+            self.device.apply(changes)
+
+        try:
+            await trio.to_thread.run_sync(work)
+        finally:
+            if kept:
+                self.state = new
 
     def close(self) -> None:
         self.device.close()
+        self.store.close()
 
 
 class NoMesh:

@@ -9,14 +9,18 @@ other version: FAILED_PRECONDITION). Every peer is checked before anything chang
 bytes, an endpoint ADDRESS:PORT, a prefix of /64 or /96 inside the ULA, none overlapping another
 or the node's own. `changes` says what the device must do to go from one set of peers to the
 next: remove those that went, set those that are new or changed; a peer that stays is left alone
-and keeps its session.
+and keeps its session. An update costs its own peers' work, not the kept peers': the state
+carries a `PeerIndex` (by key, by address) from one update to the next, against which an update's
+peers are checked (a bisection each) and from copies of which the next one is made;
+`update_changes` gives the device's changes from the update alone.
 """
 
 from __future__ import annotations
 
 import base64
+import bisect
 import ipaddress
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -66,9 +70,73 @@ class MeshState:
     port: int = 0
     version: int = 0
     peers: tuple[Peer, ...] = ()
+    # The peers by key and by address, made by `put` and carried from state to state by
+    # `update` (else made when first asked for): an update then looks at its own peers alone.
+    _index: PeerIndex | None = attrs.field(init=False, default=None, eq=False, repr=False)
+
+    def index(self) -> PeerIndex:
+        if self._index is None:
+            object.__setattr__(self, "_index", PeerIndex.of(self.peers))
+        assert self._index is not None
+        return self._index
 
     def peer_map(self) -> dict[bytes, Peer]:
-        return {p.public_key: p for p in self.peers}
+        return self.index().by_key
+
+
+@attrs.frozen
+class PeerIndex:
+    """A state's peers: by key, sorted by key (as `MeshState.peers`), and their prefixes sorted
+    by their first address (apart, so sorted by their last too). Not changed once made: `updated`
+    makes the next one from copies (C's list and dict copies; the Python work is the update's
+    peers' alone)."""
+
+    by_key: dict[bytes, Peer]
+    keys: list[bytes]
+    peers: list[Peer]
+    firsts: list[int]
+    spans: list[tuple[int, int, bytes]]  # (first, last, key), in the order of `firsts`
+
+    @classmethod
+    def of(cls, peers: Iterable[Peer]) -> PeerIndex:
+        ordered = sorted(peers, key=lambda p: p.public_key)
+        spans = sorted((p.first, p.last, p.public_key) for p in ordered)
+        return cls({p.public_key: p for p in ordered}, [p.public_key for p in ordered], ordered,
+                   [first for first, _, _ in spans], spans)
+
+    def overlapping(self, peer: Peer, passed: Container[bytes]) -> Peer | None:
+        """A peer here whose prefix overlaps `peer`'s, but for those keyed in `passed`."""
+        i = bisect.bisect_right(self.firsts, peer.last) - 1
+        while i >= 0 and self.spans[i][1] >= peer.first:
+            if self.spans[i][2] not in passed:
+                return self.by_key[self.spans[i][2]]
+            i -= 1
+        return None
+
+    def updated(self, put_peers: Iterable[Peer], remove: Iterable[bytes]) -> PeerIndex:
+        by_key, keys, peers = dict(self.by_key), list(self.keys), list(self.peers)
+        firsts, spans = list(self.firsts), list(self.spans)
+
+        def drop(key: bytes) -> None:
+            old = by_key.pop(key)
+            i = bisect.bisect_left(keys, key)
+            del keys[i], peers[i]
+            j = bisect.bisect_left(firsts, old.first)
+            del firsts[j], spans[j]
+
+        put_peers = tuple(put_peers)
+        for key in (*remove, *(p.public_key for p in put_peers)):  # all out before any goes in:
+            if key in by_key:  # two that swap prefixes would share a first address meanwhile
+                drop(key)
+        for peer in put_peers:
+            by_key[peer.public_key] = peer
+            i = bisect.bisect_left(keys, peer.public_key)
+            keys.insert(i, peer.public_key)
+            peers.insert(i, peer)
+            j = bisect.bisect_left(firsts, peer.first)
+            firsts.insert(j, peer.first)
+            spans.insert(j, (peer.first, peer.last, peer.public_key))
+        return PeerIndex(by_key, keys, peers, firsts, spans)
 
 
 @attrs.frozen
@@ -129,30 +197,28 @@ def parse_peers(items: Iterable[Mapping[str, Any]], field: str) -> tuple[Peer, .
     return tuple(parse_peer(p, f"{field}[{i}]") for i, p in enumerate(items))
 
 
-def check_peers(state: MeshState, peers: Sequence[Peer], field: str,
-                checked: int = 0) -> None:
-    """Inside the ULA, one per key, no prefix overlapping another's or the node's own; the
-    first `checked` peers passed before (an update's kept ones) and are not looked at alone."""
+def check_peers(state: MeshState, peers: Sequence[Peer], field: str) -> None:
+    """Inside the ULA, one per key, no prefix overlapping another's or the node's own."""
     ula = state.ula
     if ula is None:
         raise FeosError(Code.FAILED_PRECONDITION,
                         "the node has no mesh yet: JoinMesh has not answered it")
     low, high = int(ula.network_address), int(ula.broadcast_address)
-    seen: dict[bytes, int] = {p.public_key: i for i, p in enumerate(peers[:checked])}
-    for i in range(checked, len(peers)):
-        peer, where = peers[i], f"{field}[{i - checked}]"
+    seen: dict[bytes, int] = {}
+    for i, peer in enumerate(peers):
+        where = f"{field}[{i}]"
         if peer.public_key in seen:
             first = seen[peer.public_key]
-            raise invalid(f"{where}.public_key", f"the same key as {field}[{first - checked}]")
+            raise invalid(f"{where}.public_key", f"the same key as {field}[{first}]")
         seen[peer.public_key] = i
         if peer.public_key == state.public_key:
             raise invalid(f"{where}.public_key", "is the node's own key")
         if not low <= peer.first <= peer.last <= high:
             raise invalid(f"{where}.prefix", f"{peer.prefix} is outside the cluster's ULA {ula}")
-    _check_apart(state, peers, field, checked)
+    _check_apart(state, peers, field)
 
 
-def _check_apart(state: MeshState, peers: Sequence[Peer], field: str, checked: int) -> None:
+def _check_apart(state: MeshState, peers: Sequence[Peer], field: str) -> None:
     """No two prefixes overlap: sorted by their first address, each must begin after the end of
     every one before it (prefixes either hold one another or are apart). The later peer of two
     is named, the node's own prefix (-1) never."""
@@ -166,8 +232,8 @@ def _check_apart(state: MeshState, peers: Sequence[Peer], field: str, checked: i
         if widest is not None and item[0] <= widest[1]:
             (_, _, j), (_, _, k) = sorted([widest, item], key=lambda n: n[2])
             whose = ("the node's own prefix " + str(state.node_prefix) if j < 0
-                     else f"{field}[{j - checked}]'s {peers[j].prefix}")
-            raise invalid(f"{field}[{k - checked}].prefix", f"{peers[k].prefix} overlaps {whose}")
+                     else f"{field}[{j}]'s {peers[j].prefix}")
+            raise invalid(f"{field}[{k}].prefix", f"{peers[k].prefix} overlaps {whose}")
         if widest is None or item[1] > widest[1]:
             widest = item
 
@@ -184,7 +250,8 @@ def put(state: MeshState, version: int, peers: Sequence[Peer]) -> MeshState:
     if version == state.version and set(peers) != set(state.peers):
         raise FeosError(Code.FAILED_PRECONDITION,
                         f"version {version} is the node's already, with other peers")
-    return attrs.evolve(state, version=version, peers=_sorted(peers))
+    index = PeerIndex.of(peers)
+    return _with_index(attrs.evolve(state, version=version, peers=tuple(index.peers)), index)
 
 
 def update(state: MeshState, from_version: int, to_version: int, put_peers: Sequence[Peer],
@@ -196,15 +263,46 @@ def update(state: MeshState, from_version: int, to_version: int, put_peers: Sequ
     if to_version <= from_version:
         raise invalid("to_version", f"{to_version} must be later than from_version "
                                     f"{from_version}")
-    peers = state.peer_map()
+    index = state.index()
+    gone: set[bytes] = set()
     for i, key in enumerate(remove):
-        if peers.pop(parse_key(key, f"remove[{i}]"), None) is None:
+        key = parse_key(key, f"remove[{i}]")
+        if key not in index.by_key or key in gone:
             raise FeosError(Code.FAILED_PRECONDITION,
                             f"remove[{i}]: the node has no peer {base64.b64encode(key).decode()}")
-    putting = {q.public_key for q in put_peers}
-    kept = [p for p in peers.values() if p.public_key not in putting]
-    check_peers(state, [*kept, *put_peers], "put", checked=len(kept))
-    return attrs.evolve(state, version=to_version, peers=_sorted([*kept, *put_peers]))
+        gone.add(key)
+    check_peers(state, put_peers, "put")  # among themselves and against the node's own
+    passed = gone | {p.public_key for p in put_peers}  # going, or put anew
+    for i, peer in enumerate(put_peers):
+        other = index.overlapping(peer, passed)
+        if other is not None:
+            raise invalid(f"put[{i}].prefix", f"{peer.prefix} overlaps the node's peer "
+                                              f"{other.key_text()}'s {other.prefix}")
+    return replayed(state, to_version, put_peers, gone)
+
+
+def replayed(state: MeshState, to_version: int, put_peers: Iterable[Peer],
+             remove: Iterable[bytes]) -> MeshState:
+    """An update kept before applied again (mesh.pb's journal at the start): checked when it was
+    kept, so not again; the same state as `update` gave then."""
+    index = state.index().updated(put_peers, remove)
+    return _with_index(attrs.evolve(state, version=to_version, peers=tuple(index.peers)), index)
+
+
+def _with_index(state: MeshState, index: PeerIndex) -> MeshState:
+    object.__setattr__(state, "_index", index)
+    return state
+
+
+def update_changes(old: MeshState, put_peers: Iterable[Peer],
+                   remove: Iterable[bytes]) -> PeerChanges:
+    """`changes(old.peers, update(old, ...).peers)` from the update alone: what it removes and
+    does not put again, what it puts that differs; the kept peers not looked at."""
+    before = old.peer_map()
+    putting = {p.public_key: p for p in put_peers}
+    gone = tuple(sorted(k for k in set(remove) if k not in putting and k in before))
+    setting = tuple(p for k, p in sorted(putting.items()) if before.get(k) != p)
+    return PeerChanges(gone, setting)
 
 
 def changes(old: Iterable[Peer], new: Iterable[Peer]) -> PeerChanges:
@@ -214,10 +312,6 @@ def changes(old: Iterable[Peer], new: Iterable[Peer]) -> PeerChanges:
     setting = tuple(p for k, p in sorted(after.items())
                     if before.get(k) is not p and before.get(k) != p)  # kept: the same object
     return PeerChanges(gone, setting)
-
-
-def _sorted(peers: Iterable[Peer]) -> tuple[Peer, ...]:
-    return tuple(sorted(peers, key=lambda p: p.public_key))
 
 
 # --- mesh.pb's dicts --------------------------------------------------------------------------

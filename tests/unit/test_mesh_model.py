@@ -105,6 +105,10 @@ def test_prefixes_inside_the_ula_and_apart() -> None:
         m.put(STATE, 1, [peer(2), peer(2, prefix="fd12:3456:789a:1:0:9::/96")])
     with refused(Code.INVALID_ARGUMENT, "node's own key"):
         m.put(STATE, 1, [m.Peer(STATE.public_key, peer(2).endpoint, peer(2).prefix)])
+    kept = m.put(STATE, 1, [peer(2), peer(3)])
+    with refused(Code.INVALID_ARGUMENT, "put[1].prefix", f"the node's peer {peer(3).key_text()}'s "
+                 f"{peer(3).prefix}"):
+        m.update(kept, 1, 2, [peer(4), peer(5, prefix=str(peer(3).prefix))], [])
 
 
 def test_peers_of_a_48_mesh_may_be_64s() -> None:
@@ -173,3 +177,63 @@ def test_overlaps_found_as_pairwise_would(picks: list[tuple[int, int]]) -> None:
         assert e.code == Code.INVALID_ARGUMENT and "overlaps" in e.message
         found = True
     assert found == pairwise
+
+
+@given(st.dictionaries(st.integers(1, 20), st.integers(0, 2)),
+       st.dictionaries(st.integers(1, 20), st.integers(0, 2)), st.sets(st.integers(1, 20)))
+def test_an_updates_changes_are_those_of_its_states(old: dict[int, int], put: dict[int, int],
+                                                    remove: set[int]) -> None:
+    state = m.put(STATE, 1, [peer(n, f"192.0.2.{n}:{51820 + p}") for n, p in old.items()])
+    putting = [peer(n, f"192.0.2.{n}:{51820 + p}") for n, p in put.items()]
+    gone = [bytes([n + 1]) * 32 for n in remove if n in old]
+    new = m.update(state, 1, 2, putting, gone)
+    assert m.update_changes(state, putting, gone) == m.changes(state.peers, new.peers)
+    assert m.replayed(state, 2, putting, gone) == new
+
+
+@given(st.lists(st.tuples(st.sampled_from([64, 96]), st.integers(0, 5)), max_size=8),
+       st.lists(st.tuples(st.integers(0, 9), st.sampled_from([64, 96]), st.integers(0, 5)),
+                max_size=4),
+       st.sets(st.integers(0, 9)))
+def test_an_update_refused_as_the_whole_list_check_would(
+        kept: list[tuple[int, int]], put: list[tuple[int, int, int]], remove: set[int]) -> None:
+    """update's check (its peers, each bisected into the kept ones) against check_peers over
+    the kept peers and the update's together; a /48 ULA, so that /64 peers may hold /96 ones."""
+    wide = m.MeshState(ula=ipaddress.IPv6Network("fd12:3456:789a::/48"),
+                       node_prefix=ipaddress.IPv6Network("fd12:3456:789a:1:0:1::/96"),
+                       public_key=b"\x01" * 32)
+
+    def net(ln: int, n: int) -> ipaddress.IPv6Network:
+        base = int(wide.ula.network_address)  # type: ignore[union-attr]
+        return ipaddress.IPv6Network((base + (n << 64 if ln == 64 else (1 << 64) + (n << 32)), ln))
+
+    def keyed(k: int, ln: int, n: int) -> m.Peer:
+        return m.Peer(bytes([k + 2]) * 32, peer(0).endpoint, net(ln, n))
+
+    apart, taken = [], []
+    for k, (ln, n) in enumerate(kept):  # the kept peers passed once: only those apart
+        p = keyed(k, ln, n)
+        if not any(p.prefix.overlaps(q) for q in [*taken, wide.node_prefix]):
+            apart.append(p)
+            taken.append(p.prefix)
+    state = m.put(wide, 1, apart)
+    putting = [keyed(k, ln, n) for k, ln, n in put]
+    gone = [bytes([k + 2]) * 32 for k in sorted(remove) if k < len(kept)
+            and bytes([k + 2]) * 32 in state.peer_map()]
+    left = [p for p in state.peers if p.public_key not in gone
+            and p.public_key not in {q.public_key for q in putting}]
+    try:
+        m.check_peers(wide, [*left, *putting], "peers")
+        whole: Code | None = None
+    except FeosError as e:
+        whole = e.code
+    try:
+        new = m.update(state, 1, 2, putting, gone)
+        got: Code | None = None
+    except FeosError as e:
+        assert "put[" in e.message, e.message
+        got = e.code
+    assert got == whole
+    if got is None:
+        assert new.peers == m.put(wide, 2, [*left, *putting]).peers
+        assert new.index() == m.PeerIndex.of(new.peers)  # carried over as made afresh
