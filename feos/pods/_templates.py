@@ -45,8 +45,8 @@ import trio
 from .._digest import sha256_file
 from ..errors import Code, FeosError, invalid
 from ._disks import DiskdPort
-from ._pod import Pod
 from ._network import PodNet, PodNetworkService
+from ._pod import Pod
 from ._ports import MicroVmsPort
 
 log = logging.getLogger(__name__)
@@ -156,9 +156,9 @@ class Template:
                 "vmmVersion": k.vmm_version, "accel": k.accel, "vcpus": k.shape.vcpus,
                 "memoryMib": k.shape.memory_mib, "diskSizeMib": k.shape.disk_mib,
                 "network": k.shape.network, "drives": k.drives, "base": k.base,
-                "image": k.image, "heldImage": k.held, "layer": self.layer, "memoryDigest": self.memory_digest,
-                "memoryBytes": self.memory_bytes, "createdUnixNs": self.created_ns,
-                "path": str(directory)}  # fmt: skip
+                "image": k.image, "heldImage": k.held, "layer": self.layer,
+                "memoryDigest": self.memory_digest, "memoryBytes": self.memory_bytes,
+                "createdUnixNs": self.created_ns, "path": str(directory)}  # fmt: skip
 
 
 def from_record(data: dict[str, Any]) -> Template:
@@ -202,7 +202,8 @@ class Templates:
     def __init__(self, state_dir: Path, vms: MicroVmsPort, diskd: DiskdPort | None, *,
                  on_first_use: bool = True,
                  vmm_version: Callable[[], str] = qemu_version,
-                 network: Callable[[], PodNetworkService | None] = lambda: None) -> None:  # fmt: skip
+                 network: Callable[[], PodNetworkService | None] = lambda: None,
+                 ) -> None:  # fmt: skip
         self.root = state_dir / "templates"
         self._vms = vms
         self._diskd = diskd
