@@ -468,7 +468,7 @@ class Templates:
                                 "a template holds only an image pulled anonymously (no pod may "
                                 f"get an image through another's token): {exc.message}") from None
             raise FeosError(exc.code, f"the template's pull of {image}: {exc.message}") from None
-        before, after = await guest.prepare_suspend(zero_free=True)
+        before, after = await guest.prepare_suspend(True)  # zero_free (the handle: no keywords)
         log.info("template of %s: its free memory zeroed (%d MiB free before, %d after)",
                  image, before >> 20, after >> 20)  # fmt: skip
 
