@@ -281,3 +281,21 @@ def test_the_held_digest_is_checked_with_the_creates_token(
         assert store.find(reference("r", text)) is not None
     finally:
         gate.close()
+
+
+# -- the guest's zeroing pass -----------------------------------------------------------------
+
+
+def test_the_zeroing_pass_stops_at_the_margin(monkeypatch: pytest.MonkeyPatch) -> None:
+    from feos.guest import _system
+
+    free = [_system.ZERO_MARGIN + 3 * _system.ZERO_CHUNK + 4096]
+    asked = []
+
+    def mem_free() -> int:  # each chunk faulted in takes its size off the free memory
+        asked.append(free[0])
+        return free[0] - (len(asked) - 1) * _system.ZERO_CHUNK
+
+    monkeypatch.setattr(_system, "mem_free", mem_free)
+    assert _system.zero_free_memory() == 3 * _system.ZERO_CHUNK
+    assert len(asked) == 4  # three chunks, then the margin reached
