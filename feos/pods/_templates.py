@@ -4,7 +4,9 @@ Theory of operation. A template is a snapshot of a guest that booted, attached a
 before any container, for one key: everything the snapshot fixes (the guest version, the VMM
 and its version, the accelerator, the shape: vCPUs, memory, the data disk's size, the number of
 drives, a network device or none) and the layer its disk is made on (the guest's blank data
-volume, or a layer baked of the pod's image: the image then is in the template too). It lives
+volume, or a layer baked of the pod's image: the image then is in the template too), and the
+image its guest pulled anonymously before the snapshot, if it holds one (a create of it pulls it
+again with its own token first: the manifest only, for the digest held). It lives
 in <state>/templates/<name>/: template.json (the key, the digests) and memory (QEMU's migration
 stream), and in diskd as a layer: the template's disk sealed while its VM was suspended, which
 a disk of the template's own name, `keep`, stands on so that diskd never collects it.
