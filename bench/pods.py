@@ -20,8 +20,10 @@ the ratios are of medians (the least of each is printed beside them, for a loade
 Each single pod's bring-up is broken down by its events (disk, vm, guest, containers), and by the
 guest's own times from its console (g:network, the push of its network in the attach; g:pull,
 inside g:create; g:start): docs/pods.md says where the time goes.
-- templated: after those rounds, a template of the same shape (`feosctl template warm 1x512+net`)
-  and the same creates restored from it (docs/templates.md), beside the cold creates above; and
+- templated: after those rounds, a template of the same shape holding the image (`feosctl template
+  warm 1x512+net=<registry>/feos/busybox:1`: its guest pulled it before the snapshot) and the same
+  creates restored from it (docs/templates.md; each checks the tag's digest and fetches no blob),
+  beside the cold creates above; and
   ten templated creates at once beside ten raw restores at once: one bare microVM booted and
   suspended, its snapshot restored into ten microVMs at once (QEMU's -incoming through MicroVms,
   no pod, no diskd, no network), to the last resumed guest's Ping.
@@ -297,8 +299,9 @@ async def templated_rounds(net: PodNet, root: Path, runs: int,
     """The same creates from a template of their shape (made now, after the cold rounds), and
     ten at once beside ten raw restores at once."""
     made = await trio.to_thread.run_sync(
-        lambda: net.ctl_json("template", "warm", f"1x{MEMORY_MIB}+net", timeout=300))
-    print(f"  template {made['name']}: {made['memoryBytes'] >> 20} MiB of memory", flush=True)
+        lambda: net.ctl_json("template", "warm", f"1x{MEMORY_MIB}+net={IMAGE}", timeout=300))
+    print(f"  template {made['name']} holding {made['heldImage']}: "
+          f"{made['memoryBytes'] >> 20} MiB of memory", flush=True)
     templated: list[float] = []
     for i in range(runs):
         took, mine, steps = await create_pods(net, [f"pq{i:09d}"], check_template=made["name"])

@@ -111,8 +111,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--web", metavar="ADDRESS:PORT",
                    help="serve the web console, such as 127.0.0.1:8080 (off loopback: a token)")
     p.add_argument("--warm-templates", type=_shapes, default=[], metavar="SHAPES",
-                   help="pod templates to keep made, as VCPUSxMEMORY_MIB[+net] separated by "
-                   "commas, such as 1x512+net,2x1024 (docs/templates.md)")
+                   help="pod templates to keep made, as VCPUSxMEMORY_MIB[+net][=IMAGE] separated "
+                   "by commas, such as 1x512+net,2x1024,1x512+net=registry.example/app:1 (=IMAGE: "
+                   "the template's guest holds that image; docs/templates.md)")
     p.add_argument("--templates-on-first-use", action="store_true",
                    help="make a pod template when a create finds none that fits (that create "
                    "boots cold; the next restore)")
@@ -202,10 +203,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def _shapes(text: str) -> list[Any]:
     from .errors import FeosError
-    from .pods import TemplateShape
+    from .pods import TemplateWarm
 
     try:
-        return [TemplateShape.parse(part.strip()) for part in text.split(",") if part.strip()]
+        return [TemplateWarm.parse(part.strip()) for part in text.split(",") if part.strip()]
     except FeosError as exc:
         raise argparse.ArgumentTypeError(exc.message) from None
 

@@ -12,12 +12,17 @@ the tests that look at them:
   kept what it wrote;
 - the template removed while its pods run: they run on, and a create boots cold;
 - a template whose snapshot was damaged is dropped at the next create, which boots cold, and is
-  made again.
+  made again;
+- a template holding the image (`warm 1x256+net --image REF`, REF behind a gate in the registry's
+  namespace that refuses tokens it does not take and writes down each GET): a templated create
+  of it fetches no blob (the manifest alone, with its own token) and its container runs; a create
+  whose token the registry refuses does not get the image.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +30,7 @@ from typing import Any
 
 import pytest
 from _guests import OwnGuest
-from podnet import IMAGE, PodNet
+from podnet import IMAGE, REGISTRY_PORT, REGISTRY_V4, REPO, PodNet
 
 from feos.net import guest_mac
 
@@ -34,6 +39,9 @@ pytestmark = pytest.mark.integration
 SHAPE = "1x256+net"
 TEN = [f"pt00000{i:04d}" for i in range(10)]
 REBUILT_WAIT_S = 240.0
+GATE_PORT = 5001
+GOOD = "a-token-the-registry-takes"
+HELD = f"{REGISTRY_V4}:{GATE_PORT}/feos/busybox:1"  # the module's busybox, through the gate
 
 
 def _create(net: PodNet, pod_id: str) -> dict[str, Any]:
@@ -188,6 +196,53 @@ def test_a_damaged_template_is_dropped_and_made_again(
     pod = _create(net, "pt000000r01")
     assert pod["cameUp"] == f"template:{template['name']}"
     net.ctl("pod", "delete", "pt000000r01")
+
+
+@pytest.fixture(scope="module")
+def gate(net: PodNet) -> Path:
+    """The registry behind tests/unit/registry_gate.py: anonymous GETs and `Bearer GOOD` pass,
+    other tokens get 401; its log has a line per GET (`PATH token|-`)."""
+    log = net.root / "gate.log"
+    log.touch()
+    net._spawn(net.in_inet(sys.executable, str(REPO / "tests/unit/registry_gate.py"),
+                           f"{REGISTRY_V4}:{REGISTRY_PORT}", REGISTRY_V4, str(GATE_PORT), GOOD,
+                           str(log)), "gate.out")  # fmt: skip
+    net._wait_port(REGISTRY_V4, GATE_PORT)
+    return log
+
+
+def _gets(log: Path) -> list[str]:
+    return log.read_text().splitlines()
+
+
+def test_a_template_holding_the_image_spares_the_pull(net: PodNet, gate: Path) -> None:
+    made: dict[str, Any] = net.ctl_json("template", "warm", SHAPE, "--image", HELD, timeout=300)
+    try:
+        assert made["heldImage"] == HELD and made["network"]
+        pulled = _gets(gate)
+        assert any("/blobs/" in g for g in pulled), pulled  # the template's guest pulled it
+        assert all(g.endswith(" -") for g in pulled), pulled  # anonymously
+        pod_id = "pt000000h01"
+        net.ctl("pod", "create", pod_id, "--image", HELD, "--pull-token", GOOD, "--memory",
+                "256MiB", "--wait", "--cmd", "sleep", "3600", timeout=300)
+        pod = net.ctl_json("pod", "get", pod_id)
+        assert pod["state"] == "running" and pod["cameUp"] == f"template:{made['name']}", pod
+        asked = _gets(gate)[len(pulled):]
+        assert asked and not [g for g in asked if "/blobs/" in g], asked  # no blob fetched
+        assert all(g.endswith(" token") for g in asked), asked  # the manifest, with its token
+        assert _read(net, pod_id, "echo", "from-the-held-image") == "from-the-held-image"
+        net.ctl("pod", "delete", pod_id)
+        refused = "pt000000h02"
+        net.ctl("pod", "create", refused, "--image", HELD, "--pull-token", "not-taken",
+                "--memory", "256MiB", "--wait", "--cmd", "sleep", "3600", check=False,
+                timeout=300)
+        pod = net.wait_state(refused, "failed")
+        assert pod["cameUp"] == f"template:{made['name']}", pod
+        assert "refused" in pod.get("reason", ""), pod
+        assert net.exec(refused, "true", check=False).returncode != 0  # no container of it
+        net.ctl("pod", "delete", refused)
+    finally:
+        net.ctl("template", "rm", made["name"])
 
 
 @pytest.mark.skip(reason="Firecracker templates: its guests cannot boot on this machine (PVM, "

@@ -61,8 +61,12 @@ interface GuestService {
   thawFilesystem @16 () -> (status :Status);
   # FITHAW of /data; one not frozen is found.
 
-  prepareSuspend @17 () -> (status :Status, freeBytesBefore :UInt64, freeBytesAfter :UInt64);
+  prepareSuspend @17 (zeroFree :Bool) -> (status :Status, freeBytesBefore :UInt64,
+                                          freeBytesAfter :UInt64);
   # sync, drop the page cache, compact memory: the balloon's free page reporting gives back.
+  # zeroFree (a template's make, docs/templates.md): then every free page but a margin is
+  # faulted in (the kernel zeroes it) and freed, so that pages the dropped cache held (a pull's
+  # data) are zero pages in the snapshot, which QEMU's stream and its punch leave out.
 
   shutdown @18 (reboot :Bool) -> (status :Status);
   # Stops the containers (SIGTERM, 10 s), syncs, unmounts the volumes, powers off (or reboots).

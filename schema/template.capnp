@@ -22,15 +22,19 @@ struct TemplateInfo {
   memoryBytes @14 :UInt64;
   createdUnixNs @15 :Int64;
   path @16 :Text;           # its directory on the node
+  heldImage @17 :Text;      # the image its guest pulled before the snapshot (anonymously); ""
+                            # for none. A create of it checks the tag's digest with its own token
 }
 
 interface TemplateService {
   listTemplates @0 () -> (status :Common.Status, templates :List(TemplateInfo));
-  warmTemplate @1 (vcpus :UInt32, memoryMib :UInt32, diskSizeMib :UInt32, network :Bool)
-      -> (status :Common.Status, template :TemplateInfo);
+  warmTemplate @1 (vcpus :UInt32, memoryMib :UInt32, diskSizeMib :UInt32, network :Bool,
+                   image :Text) -> (status :Common.Status, template :TemplateInfo);
   # The template of that shape on the newest guest's blank data, made now unless the node has
-  # it (whole, its digests matching). 0: the pod spec's default. FAILED_PRECONDITION where the
-  # node's VMM is not QEMU or there is no diskd.
+  # it (whole, its digests matching). 0: the pod spec's default. image: the template's guest
+  # pulls it (anonymously, on the pods' network) before the snapshot; "" for none.
+  # FAILED_PRECONDITION where the node's VMM is not QEMU or there is no diskd, for an image
+  # without a network, and for an image whose registry wants a pull token (naming it).
   removeTemplate @2 (templateName :Text) -> (status :Common.Status);
   # NOT_FOUND for a template the node lacks; FAILED_PRECONDITION while it is being made. The
   # pods made from it run on.

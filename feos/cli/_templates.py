@@ -8,7 +8,7 @@ from typing import Any
 from ..rpc import Client
 from ._commands import Table, UsageError, _noun, _verb
 
-COLUMNS = ["NAME", "GUEST", "VMM", "SHAPE", "NETWORK", "IMAGE", "MEMORY"]
+COLUMNS = ["NAME", "GUEST", "VMM", "SHAPE", "NETWORK", "IMAGE", "HELD", "MEMORY"]
 
 
 def template_row(t: dict[str, Any]) -> list[str]:
@@ -17,7 +17,7 @@ def template_row(t: dict[str, Any]) -> list[str]:
             f"{t.get('vmm', '')} {t.get('vmmVersion', '')} {t.get('accel', '')}",
             f"{t.get('vcpus', 0)}x{t.get('memoryMib', 0)}{disk}",
             "yes" if t.get("network") else "no", t.get("image", "") or "-",
-            f"{t.get('memoryBytes', 0) >> 20}MiB"]  # fmt: skip
+            t.get("heldImage", "") or "-", f"{t.get('memoryBytes', 0) >> 20}MiB"]  # fmt: skip
 
 
 async def template_list(client: Client, args: argparse.Namespace) -> Table:
@@ -27,15 +27,19 @@ async def template_list(client: Client, args: argparse.Namespace) -> Table:
 
 
 async def template_warm(client: Client, args: argparse.Namespace) -> Table:
-    body, _, net = args.shape.partition("+")
+    shape, eq, image = args.shape.partition("=")
+    if eq and (not image or args.image):
+        raise UsageError(f"{args.shape!r}: the image after '=' is missing, or named twice")
+    image = image or args.image or ""
+    body, _, net = shape.partition("+")
     try:
         vcpus, memory = (int(x) for x in body.lower().split("x"))
     except ValueError:
-        raise UsageError(f"{args.shape!r} is not VCPUSxMEMORY_MIB[+net]") from None
+        raise UsageError(f"{args.shape!r} is not VCPUSxMEMORY_MIB[+net][=IMAGE]") from None
     if net not in ("", "net"):
-        raise UsageError(f"{args.shape!r} is not VCPUSxMEMORY_MIB[+net]")
+        raise UsageError(f"{args.shape!r} is not VCPUSxMEMORY_MIB[+net][=IMAGE]")
     r = await client.call("templates", "warmTemplate", vcpus=vcpus, memoryMib=memory,
-                          diskSizeMib=args.disk_size_mib, network=net == "net")
+                          diskSizeMib=args.disk_size_mib, network=net == "net", image=image)
     t = r.template.to_dict()
     return Table(t, COLUMNS, [template_row(t)])
 
@@ -50,7 +54,10 @@ def register_template(nouns: Any) -> None:
     _verb(verbs, "list", template_list, "the node's templates")
     p = _verb(verbs, "warm", template_warm, "make the template of a shape now (unless the node "
               "has it)")
-    p.add_argument("shape", help="VCPUSxMEMORY_MIB, +net for pods with a network: 1x512+net")
+    p.add_argument("shape", help="VCPUSxMEMORY_MIB, +net for pods with a network, =IMAGE for "
+                   "a template holding that image: 1x512+net, 1x512+net=registry.example/app:1")
+    p.add_argument("--image", help="the image the template's guest pulls (anonymously) before "
+                   "its snapshot; a create of that image then skips the pull")
     p.add_argument("--disk-size-mib", type=int, default=0,
                    help="the pods' data disk size (default: the guest's)")
     p = _verb(verbs, "rm", template_rm, "remove a template (its pods run on)")

@@ -280,7 +280,7 @@ class GuestServer(guest.GuestService.Server):  # type: ignore[misc]
         async def body(p: Any, r: Any) -> None:
             loop = asyncio.get_running_loop()
             r.freeBytesBefore, r.freeBytesAfter = await loop.run_in_executor(
-                None, _system.prepare_suspend
+                None, _system.prepare_suspend, bool(p.zeroFree)
             )
 
         await guarded("prepareSuspend", ctx, body)

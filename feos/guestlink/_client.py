@@ -395,8 +395,8 @@ class GuestClient:
     async def thaw_filesystem(self) -> None:
         await _call(self._g().thawFilesystem())
 
-    async def prepare_suspend(self) -> tuple[int, int]:
-        r = await _call(self._g().prepareSuspend())
+    async def prepare_suspend(self, zero_free: bool = False) -> tuple[int, int]:
+        r = await _call(self._g().prepareSuspend(zero_free))
         return int(r.freeBytesBefore), int(r.freeBytesAfter)
 
     async def shutdown(self, *, reboot: bool = False) -> None:

@@ -15,12 +15,14 @@ if TYPE_CHECKING:
     from ._stop import SuspendedForStop as SuspendedForStop
     from ._template_api import TemplateApi as TemplateApi
     from ._templates import TemplateShape as TemplateShape
+    from ._templates import TemplateWarm as TemplateWarm
     from ._volumes import VolumeService as VolumeService
 
 _LAZY = {
     "PodService": "_service", "new_pod_id": "_spec", "SuspendedForStop": "_stop",
     "VolumeService": "_volumes", "console_log": "_console", "TemplateApi": "_template_api",
     "TemplateShape": "_templates",
+    "TemplateWarm": "_templates",
 }  # fmt: skip
 
 

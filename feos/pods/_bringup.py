@@ -116,7 +116,9 @@ class BringUp:
         base = await choose_base(self._baker.diskd, pod, guest, blank)
         if self.templates is not None:
             image = pod.spec.containers[0].image if on_layer(pod) else ""
-            template = await self.templates.fitting(pod, base, image)
+            one = len(pod.spec.containers) == 1 and not on_layer(pod)
+            held = pod.spec.containers[0].image if one else ""
+            template = await self.templates.fitting(pod, base, image, held)
             if template is not None:
                 self._picked[pod.id] = template
                 return template.layer
@@ -220,11 +222,29 @@ class BringUp:
             if found is not None and found.status == "running":
                 continue
             try:
+                if found is None and pod.came_up.startswith("template:"):
+                    await check_held(guest, container.image, token)
                 if found is None:
                     await guest.create_container(container_config(pod, container.name, token))
                 await guest.start_container(container.name)
             except FeosError as exc:
                 raise FeosError(exc.code, f"container {container.name}: {exc.message}") from None
+
+
+async def check_held(guest: Guest, image: str, token: str) -> None:
+    """The token rule for a restored guest that may hold the image (its template's guest
+    pulled it anonymously): the image is pulled with the create's own token before the
+    container is made of it. The pull asks the registry for the tag's manifest with that token
+    and fetches only the blobs the store lacks: the digest the template held, nothing fetched;
+    another digest, its blobs, as a cold create's pull; a token the registry refuses, the
+    registry's error, as a cold create fails. A pull that joined one in flight used another's
+    token: asked again."""
+    for _ in range(3):
+        _, joined = await guest.pull_image(image, token)
+        if not joined:
+            return
+    raise FeosError(Code.UNAVAILABLE, f"the pull of {image} with the pod's token kept joining "
+                    "others in flight")
 
 
 async def assume(pod: Pod, guest: Guest, *, restored: bool) -> None:

@@ -75,7 +75,7 @@ from ._pod import Pod, container_status, from_record
 from ._ports import Guest, MicroVmsPort, Named, NetworkConfig, Records, Volumes
 from ._spec import parse_spec
 from ._streams import open_exec, open_logs
-from ._templates import Shape, Templates
+from ._templates import Templates, Warm
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class PodService:
         attach_timeout: float = 60.0,
         records: Records | None = None,
         diskd: DiskdPort | None = None,
-        warm_templates: tuple[Shape, ...] = (),
+        warm_templates: tuple[Warm, ...] = (),
         templates_on_first_use: bool = False,
     ) -> None:
         self.state_dir = state_dir
@@ -117,7 +117,8 @@ class PodService:
         self._baker = Baker(diskd, self._baked)
         # Templates need diskd (their disks are its layers); none without it.
         self.templates = None if diskd is None else Templates(
-            state_dir, vms, diskd, on_first_use=templates_on_first_use)
+            state_dir, vms, diskd, on_first_use=templates_on_first_use,
+            network=lambda: self._net.network)
         self._warm = warm_templates
         self._bringup = BringUp(state_dir, vms, volumes, disks=self.disks, network=self._net,
                                 step=self._step, keep=self._keep, attach_s=attach_timeout,

@@ -8,7 +8,7 @@ import attrs
 
 from .._codec import NoParams, takes
 from ..errors import Code, FeosError, invalid
-from ._templates import Shape, Templates
+from ._templates import Shape, Templates, check_held
 
 
 def _name(value: str) -> str:
@@ -23,6 +23,7 @@ class WarmTemplate:
     memory_mib: int = 0
     disk_size_mib: int = 0
     network: bool = False
+    image: str = ""
 
     def shape(self) -> Shape:
         if self.disk_size_mib and not 1024 <= self.disk_size_mib <= 16 << 20:
@@ -54,7 +55,9 @@ class TemplateApi:
     async def warm_template(self, call: WarmTemplate) -> dict[str, Any]:
         templates = self._need()
         shape = call.shape()
-        template = await templates.warm(shape, await templates.blank())
+        if call.image:
+            check_held(call.image, shape, "image")
+        template = await templates.warm(shape, await templates.blank(), call.image)
         return {"template": template.answer(templates.root / template.name)}
 
     @takes(TemplateRef)

@@ -4,7 +4,9 @@ Theory of operation. A template is a snapshot of a guest that booted, attached a
 before any container, for one key: everything the snapshot fixes (the guest version, the VMM
 and its version, the accelerator, the shape: vCPUs, memory, the data disk's size, the number of
 drives, a network device or none) and the layer its disk is made on (the guest's blank data
-volume, or a layer baked of the pod's image: the image then is in the template too). It lives
+volume, or a layer baked of the pod's image: the image then is in the template too), and the
+image its guest pulled anonymously before the snapshot, if it holds one (a create of it pulls it
+again with its own token first: the manifest only, for the digest held). It lives
 in <state>/templates/<name>/: template.json (the key, the digests) and memory (QEMU's migration
 stream), and in diskd as a layer: the template's disk sealed while its VM was suspended, which
 a disk of the template's own name, `keep`, stands on so that diskd never collects it.
@@ -45,6 +47,7 @@ import trio
 from .._digest import sha256_file
 from ..errors import Code, FeosError, invalid
 from ._disks import DiskdPort
+from ._network import PodNet, PodNetworkService
 from ._pod import Pod
 from ._ports import MicroVmsPort
 
@@ -81,6 +84,38 @@ TemplateShape = Shape  # as feos.pods offers it
 
 
 @attrs.frozen
+class Warm:
+    """A template to keep warm: a shape and the image its guest holds ("" for none)."""
+
+    shape: Shape
+    image: str = ""
+
+    @classmethod
+    def parse(cls, text: str, *, disk_mib: int = 0) -> Warm:
+        """VCPUSxMEMORY_MIB[+net][=IMAGE], as --warm-templates and `feosctl template warm`
+        take it: `1x512+net=registry.example/app:1` a template whose guest pulled that image."""
+        shape_text, eq, image = text.partition("=")
+        shape = Shape.parse(shape_text, disk_mib=disk_mib)
+        if eq:
+            check_held(image, shape, "shape")
+        return cls(shape, image)
+
+
+def check_held(image: str, shape: Shape, field: str) -> None:
+    """INVALID_ARGUMENT naming the field for an image a template cannot hold."""
+    from ._spec import is_image_reference
+
+    if not is_image_reference(image):
+        raise invalid(field, f"{image!r} is not an image reference ([registry/]repository[:tag])")
+    if not shape.network:
+        raise invalid(field, f"a template holding {image} needs +net: its guest pulls the image "
+                      "on the pods' network")
+
+
+TemplateWarm = Warm  # as feos.pods offers it
+
+
+@attrs.frozen
 class TemplateKey:
     guest: str
     vmm: str
@@ -90,10 +125,14 @@ class TemplateKey:
     drives: int  # the data disk and the volumes: microvm has no hotplug
     base: str  # the layer the template's disk is made on
     image: str = ""  # the image baked into base, if it is a baked layer
+    held: str = ""  # the image the template's guest pulled (anonymously) before its snapshot
 
     @property
     def name(self) -> str:
-        blob = json.dumps(attrs.asdict(self), sort_keys=True).encode()
+        fields = attrs.asdict(self)
+        if not self.held:
+            del fields["held"]  # the names of templates holding no image, as before
+        blob = json.dumps(fields, sort_keys=True).encode()
         return str(uuid.UUID(bytes=hashlib.sha256(blob).digest()[:16]))
 
 
@@ -119,9 +158,9 @@ class Template:
                 "vmmVersion": k.vmm_version, "accel": k.accel, "vcpus": k.shape.vcpus,
                 "memoryMib": k.shape.memory_mib, "diskSizeMib": k.shape.disk_mib,
                 "network": k.shape.network, "drives": k.drives, "base": k.base,
-                "image": k.image, "layer": self.layer, "memoryDigest": self.memory_digest,
-                "memoryBytes": self.memory_bytes, "createdUnixNs": self.created_ns,
-                "path": str(directory)}  # fmt: skip
+                "image": k.image, "heldImage": k.held, "layer": self.layer,
+                "memoryDigest": self.memory_digest, "memoryBytes": self.memory_bytes,
+                "createdUnixNs": self.created_ns, "path": str(directory)}  # fmt: skip
 
 
 def from_record(data: dict[str, Any]) -> Template:
@@ -129,6 +168,12 @@ def from_record(data: dict[str, Any]) -> Template:
     key["shape"] = Shape(**key["shape"])
     return Template(TemplateKey(**key), data["layer"], data["memory_digest"],
                     data["memory_bytes"], data["created_ns"])  # fmt: skip
+
+
+def _netpod(name: str, vmm: str) -> PodNet:
+    """A template's make as the pods' network sees it: a pod of the template's name, in the
+    default security group, for the time of its pull."""
+    return PodNet(name, "", "", (), (), (), "{}", vmm)
 
 
 def shape_of(pod: Pod) -> Shape | None:
@@ -158,12 +203,15 @@ def qemu_version(qemu: str = "qemu-system-x86_64") -> str:
 class Templates:
     def __init__(self, state_dir: Path, vms: MicroVmsPort, diskd: DiskdPort | None, *,
                  on_first_use: bool = True,
-                 vmm_version: Callable[[], str] = qemu_version) -> None:  # fmt: skip
+                 vmm_version: Callable[[], str] = qemu_version,
+                 network: Callable[[], PodNetworkService | None] = lambda: None,
+                 ) -> None:  # fmt: skip
         self.root = state_dir / "templates"
         self._vms = vms
         self._diskd = diskd
         self.on_first_use = on_first_use
         self._vmm_version = vmm_version
+        self._network = network  # the pods' network, on which a template's guest pulls
         self._have: dict[str, Template] = {}
         self._making: dict[str, trio.Event] = {}
         self._verified: dict[str, tuple[int, int, int]] = {}  # name -> memory's (ino, size, mtime)
@@ -171,7 +219,7 @@ class Templates:
         self._orphans: list[str] = []  # dropped at the start: their keeper disks go later
         self.made = 0  # makes that finished, for the tests and the log
 
-    async def run(self, *, warm: Iterable[Shape] = (),
+    async def run(self, *, warm: Iterable[Warm] = (),
                   is_pod: Callable[[str], bool] = lambda _id: True,
                   task_status: trio.TaskStatus[Templates] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -179,8 +227,8 @@ class Templates:
             await trio.to_thread.run_sync(self._load)
             task_status.started(self)
             nursery.start_soon(self._clear_cut_makes, is_pod)
-            for shape in warm:
-                nursery.start_soon(self._warm_quietly, shape)
+            for one in warm:
+                nursery.start_soon(self._warm_quietly, one)
             await trio.sleep_forever()
 
     # -- what the node has ----------------------------------------------------------------
@@ -207,7 +255,7 @@ class Templates:
     def list(self) -> list[dict[str, Any]]:
         return [t.answer(self.root / t.name) for t in self._have.values()]
 
-    def key_for(self, shape: Shape, base: str, image: str = "") -> TemplateKey:
+    def key_for(self, shape: Shape, base: str, image: str = "", held: str = "") -> TemplateKey:
         from ..vmm import guest_root, newest_guest
 
         choice = getattr(self._vms, "choice", None)
@@ -215,13 +263,16 @@ class Templates:
         return TemplateKey(guest=guest, vmm=choice.driver if choice else "qemu",
                            vmm_version=self._vmm_version(),
                            accel=choice.accel if choice else "tcg", shape=shape,
-                           drives=1, base=base, image=image)  # fmt: skip
+                           drives=1, base=base, image=image, held=held)  # fmt: skip
 
     # -- the create's side ------------------------------------------------------------------
 
-    async def fitting(self, pod: Pod, base: str, image: str = "") -> Template | None:
+    async def fitting(self, pod: Pod, base: str, image: str = "",
+                      held: str = "") -> Template | None:
         """The template the pod's create restores, verified; None: it boots cold (a make may
-        have been started for the next create)."""
+        have been started for the next create). `held`: the image of the pod's one container
+        on a disk that holds none: a template holding it is taken first, one holding none
+        after (a template holding an image is made only by a warm, never on first use)."""
         shape = shape_of(pod)
         if shape is None or self._nursery is None or not (self._have or self.on_first_use):
             return None
@@ -232,6 +283,15 @@ class Templates:
             return None
         if key.vmm != "qemu":
             return None
+        holding = attrs.evolve(key, held=held) if held and shape.network else None
+        if holding is not None and holding.name in self._have:
+            found = self._have[holding.name]
+            why = await self._damage(found)
+            if not why:
+                return found
+            log.warning("template %s is damaged (%s): dropped and made again", found.name, why)
+            await self.remove(found.name)
+            self._nursery.start_soon(self._make_quietly, holding)
         template = self._have.get(key.name)
         if template is not None:
             why = await self._damage(template)
@@ -274,9 +334,12 @@ class Templates:
 
     # -- making, warming, removing -----------------------------------------------------------
 
-    async def warm(self, shape: Shape, base: str) -> Template:
-        """The template of the shape on `base` (made now unless the node has it)."""
-        key = await trio.to_thread.run_sync(self.key_for, shape, base)
+    async def warm(self, shape: Shape, base: str, image: str = "") -> Template:
+        """The template of the shape on `base`, its guest holding `image` if one is named
+        (made now unless the node has it)."""
+        if image:
+            check_held(image, shape, "image")
+        key = await trio.to_thread.run_sync(self.key_for, shape, base, "", image)
         if key.vmm != "qemu":
             raise FeosError(Code.FAILED_PRECONDITION, f"the node's VMM is {key.vmm}: templates "
                             "are made for QEMU only")
@@ -287,12 +350,12 @@ class Templates:
             await self.remove(have.name)
         return await self.make(key)
 
-    async def _warm_quietly(self, shape: Shape) -> None:
+    async def _warm_quietly(self, one: Warm) -> None:
         try:
             assert self._diskd is not None
-            await self.warm(shape, await self.blank())
+            await self.warm(one.shape, await self.blank(), one.image)
         except FeosError as exc:
-            log.warning("the template of %r was not made: %s", shape, exc.message)
+            log.warning("the template of %r was not made: %s", one, exc.message)
 
     async def blank(self) -> str:
         """The newest guest's blank data volume's layer (imported into diskd once)."""
@@ -338,12 +401,20 @@ class Templates:
         assert self._diskd is not None
         name, began = key.name, time.monotonic()
         tap = tap_name(name) if key.shape.network else None
+        network = self._network() if key.held else None
+        if key.held and network is None:
+            raise FeosError(Code.FAILED_PRECONDITION, f"template {name} cannot hold {key.held}: "
+                            "the node has no pods' network to pull it on")
+        netpod = _netpod(name, key.vmm) if network is not None else None
         await self._clear(name, tap)
         try:
             await self._diskd.call("createDisk", id=name, kind="pod",
                                    sizeBytes=key.shape.disk_mib << 20, base=key.base)
             disk = (await self._diskd.call("startDisk", id=name, vmm=key.vmm, ownerUid=0))["disk"]
-            if tap is not None:
+            if network is not None and netpod is not None:
+                netpod = await network.allocate(netpod)
+                await network.prepare(netpod)  # its TAP, in the table as a pod's for the pull
+            elif tap is not None:
                 await trio.to_thread.run_sync(make_bare_tap, tap)
             spec = VmSpec(vcpus=key.shape.vcpus, memory_mib=key.shape.memory_mib,
                           data_disk=disk["path"], data_format=disk["format"],
@@ -351,7 +422,9 @@ class Templates:
                           mac=TEMPLATE_MAC if tap else None)  # fmt: skip
             await self._vms.create(name, spec)
             await self._vms.start(name, wait_attach=True)
-            await self._vms.guest(name, within=30.0)  # greeted: the agent is all there
+            guest = await self._vms.guest(name, within=30.0)  # greeted: the agent is all there
+            if network is not None and netpod is not None:
+                await self._hold(guest, key.held, network, netpod)
             await self._vms.suspend(name)
             await self._diskd.call("stopDisk", id=name)
             layer = (await self._diskd.call("bake", id=name, image=key.image or "template"))
@@ -363,17 +436,43 @@ class Templates:
                 self._keep, key, digest, self._vms.snapshot(name))
         except BaseException:
             with trio.CancelScope(shield=True), trio.move_on_after(30):
+                if network is not None and netpod is not None:
+                    await network.remove(netpod)
                 await self._clear(name, tap, keep_record=False)
             raise
         with trio.CancelScope(shield=True), trio.move_on_after(30):
             await self._vms.delete(name)
-            if tap is not None:
+            if network is not None and netpod is not None:
+                await network.remove(netpod)  # its TAP and its addresses
+            elif tap is not None:
                 await delete_tap(tap)
         self._have[name] = template
         self.made += 1
         log.info("template %s made in %.1f s (%s, %d MiB of memory)", name,
                  time.monotonic() - began, key.shape, template.memory_bytes >> 20)  # fmt: skip
         return template
+
+    async def _hold(self, guest: Any, image: str, network: PodNetworkService,
+                    netpod: PodNet) -> None:
+        """The template's guest pulls the image without a token on the pods' network, then
+        zeroes its free memory (the pull's page cache, dropped, would be in the snapshot).
+        FAILED_PRECONDITION naming the image for one whose registry wants a token."""
+        from ._ports import NetworkConfig
+
+        config = network.guest_network(netpod)
+        await guest.configure_network(NetworkConfig(
+            ipv6=config.ipv6, ipv4=config.ipv4, resolvers=(config.resolver,), mtu=config.mtu))
+        try:
+            await guest.pull_image(image, "")
+        except FeosError as exc:
+            if exc.code in (Code.UNAUTHENTICATED, Code.PERMISSION_DENIED):
+                raise FeosError(Code.FAILED_PRECONDITION, f"image {image} needs a pull token: "
+                                "a template holds only an image pulled anonymously (no pod may "
+                                f"get an image through another's token): {exc.message}") from None
+            raise FeosError(exc.code, f"the template's pull of {image}: {exc.message}") from None
+        before, after = await guest.prepare_suspend(True)  # zero_free (the handle: no keywords)
+        log.info("template of %s: its free memory zeroed (%d MiB free before, %d after)",
+                 image, before >> 20, after >> 20)  # fmt: skip
 
     def _keep(self, key: TemplateKey, layer: str, snapshot: Path) -> Template:
         d = self.root / key.name
