@@ -476,7 +476,9 @@ class Daemon:
             log.debug("the stop: the pods' changes have ended")
             self.pods.events.close()  # watchers hear the end of their streams
             await bridge.call(close_listeners, servers)
+            log.debug("the stop: the listeners are closed")
             await self.diskd.close()
+            log.debug("the stop: diskd's connection is closed; the services are cancelled")
             nursery.cancel_scope.cancel()
         log.debug("the stop: the services and the Cap'n Proto thread have ended")
         if staged is not None:
@@ -678,9 +680,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     daemon = Daemon(args, dns)
     try:
         trio.run(daemon.serve, inherited)
+        log.debug("the stop: trio's run has ended")
     except KeyboardInterrupt:
         pass
     except FeosError as exc:  # a start refused before serving: one line, no traceback
         sys.exit(f"feosd: {exc.message}")
     finally:
         daemon.close()
+        log.debug("the stop: the records are closed")

@@ -294,6 +294,7 @@ class MicroVms:
                 task_status.started(self)
                 await trio.sleep_forever()
         finally:
+            log.debug("the microVMs' tasks have ended")
             for driver in self._drivers.values():
                 close = getattr(driver, "close", None)
                 if close is not None:
@@ -303,6 +304,7 @@ class MicroVms:
             records = self._records
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(records.close)
+            log.debug("the microVMs' records are closed")
 
     def open_links(self) -> None:
         """The guest links held since the start (`hold_links`) dial their guests now."""
