@@ -1,10 +1,12 @@
 """The guest links held at feosd's start (`hold_links`): a microVM taken over running gets its
 link at once, but the link dials its guest only after `open_links()` (feosd calls it once its
 API serves); a guest call meanwhile waits for the link and has the guest once it attached, and
-one whose link stays away answers UNAVAILABLE saying so. Fake driver and guest, no VMM."""
+one whose link stays away answers UNAVAILABLE saying so. And the other end of a restart, the
+stop: the sessions are closed together, bounded. Fake driver and guest, no VMM."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,8 @@ from test_vmm_guestlink import Bridge, stub_waits
 
 import feos.vmm._guestlink as gl
 from feos.errors import Code, FeosError
-from feos.vmm._driver import VmState
+from feos.vmm._driver import VmSpec, VmState
+from feos.vmm._records import Records, VmRecord
 from feos.vmm._service import MicroVms
 
 POD = "abcdefghjkm"  # test_vmm_drivers' _record's
@@ -30,6 +33,12 @@ class Client:
 
     async def set_time(self, ns: int) -> None:
         self.log.append("set_time")
+
+    async def get_time(self) -> int:  # the clock's rounds, where a test's clock jumps to them
+        return time.time_ns()
+
+    async def adjust_time(self, offset_ns: int) -> bool:
+        return True
 
     async def close(self) -> None:
         self.ended.set()
@@ -105,3 +114,37 @@ async def test_a_call_whose_link_is_not_back_says_so(
         assert caught.value.message == (f"the guest of pod {POD} did not answer within 5s (its "
                                         "link has not re-attached since feosd started)")
         nursery.cancel_scope.cancel()
+
+
+async def test_the_stop_closes_the_sessions_at_once_and_bounded(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """feosd's stop: ten sessions whose close never ends are let go together, after the one
+    bound of 2 s, not one after another."""
+    stub_waits(monkeypatch)
+
+    class Stuck(Client):
+        async def close(self) -> None:
+            await trio.sleep_forever()
+
+    async def connect(path: str) -> Client:
+        return Stuck([])
+
+    monkeypatch.setattr(gl, "connect_poking", connect)
+    records = [f"abcdefghj{i:02d}" for i in range(10)]
+    (tmp_path / "state").mkdir()
+    kept = Records(tmp_path / "state" / "vms.db")
+    for i, vm_id in enumerate(records):
+        kept.put(VmRecord(vm_id, "qemu", VmState.RUNNING, "", "g1", "tcg", VmSpec(), 2_000_000 + i))
+    kept.close()
+    vms = MicroVms(tmp_path / "state", tmp_path / "run", Bridge(),
+                   drivers={"qemu": FakeDriver("qemu", tmp_path)}, choice=QEMU_TCG,
+                   guest_dir=tmp_path / "guest", clock_interval=1e6)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(vms.run)
+        with trio.fail_after(5):
+            for vm_id in records:
+                await vms.guest(vm_id, within=5)
+        stop = trio.current_time()
+        nursery.cancel_scope.cancel()
+    assert trio.current_time() - stop < 2.5
