@@ -433,8 +433,10 @@ class Daemon:
         async with capnp_thread() as bridge, trio.open_nursery() as nursery:
             await nursery.start(REAPER.run)  # the orphans re-parented to feosd (_reaper)
             cgroups = await trio.to_thread.run_sync(vms_cgroups, self.args.vms_cgroup)
+            # the guest links wait until the API serves (open_links below): a restart with pods
+            # serves as soon as one without, the links re-attach after it
             self.vms = MicroVms(self.state_dir, self.run_dir, bridge, network=self.guest_network,
-                                cgroups=cgroups, choice=vmm)
+                                cgroups=cgroups, choice=vmm, hold_links=True)
             await nursery.start(self.vms.run)
             wait = DISKD_WAIT_S if self.args.disk_wait is None else self.args.disk_wait
             self.diskd = Diskd(self.args.disk_socket or self.state_dir / "disk" / "diskd.sock",
@@ -465,16 +467,21 @@ class Daemon:
             if self.args.web is not None:
                 await nursery.start(self.serve_web, bridge)
             notify("READY=1")
+            self.vms.open_links()
             if self.args.control_plane:
                 await self.start_link(nursery, bridge)
             nursery.start_soon(self.resume_then_link)
             staged = await self._wait_for_end()
             await self._stop_pods(suspend=staged is None and self.args.suspend_on_stop,
                                   upgrade=staged is not None)
+            log.debug("the stop: the pods' changes have ended")
             self.pods.events.close()  # watchers hear the end of their streams
             await bridge.call(close_listeners, servers)
+            log.debug("the stop: the listeners are closed")
             await self.diskd.close()
+            log.debug("the stop: diskd's connection is closed; the services are cancelled")
             nursery.cancel_scope.cancel()
+        log.debug("the stop: the services and the Cap'n Proto thread have ended")
         if staged is not None:
             self.exec_upgrade(staged, lock_fd)
 
@@ -674,9 +681,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     daemon = Daemon(args, dns)
     try:
         trio.run(daemon.serve, inherited)
+        log.debug("the stop: trio's run has ended")
     except KeyboardInterrupt:
         pass
     except FeosError as exc:  # a start refused before serving: one line, no traceback
         sys.exit(f"feosd: {exc.message}")
     finally:
         daemon.close()
+        log.debug("the stop: the records are closed")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import threading
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -30,6 +31,7 @@ import trio
 from ..errors import Code, FeosError
 
 T = TypeVar("T")
+log = logging.getLogger("feos.rpc")
 
 STOPPING = "feosd stops"
 
@@ -152,6 +154,7 @@ class CapnpThread:
             self._stop = asyncio.Event()
             self._wake(started)
             await self._stop.wait()
+            log.debug("the Cap'n Proto thread stops: %d tasks left", len(asyncio.all_tasks()))
             # The tasks left are cancelled; what their callers left behind is closed, also
             # what they return as they end (a close is not cancelled: it closes sockets).
             while tasks := [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
@@ -159,8 +162,10 @@ class CapnpThread:
                     if task not in self._closing:
                         task.cancel()
                 await asyncio.wait(tasks)
+            log.debug("the Cap'n Proto thread's tasks have ended")
 
         asyncio.run(capnp.run(main()))
+        log.debug("the Cap'n Proto thread's loop has ended")
 
     async def _start(self) -> None:
         started = trio.Event()
@@ -180,6 +185,7 @@ class CapnpThread:
                 pass
         if self._thread is not None:
             await trio.to_thread.run_sync(self._thread.join)
+            log.debug("the Cap'n Proto thread has ended")
 
 
 async def _scrubbed(fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:

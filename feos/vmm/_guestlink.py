@@ -286,11 +286,14 @@ class GuestLink:
             finally:
                 self._set_client(None)
                 self._parked = self._rejoined = self._drop = self._suspending = False
+                t0 = time.monotonic()
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     try:
                         await self.call(client.close)
                     except FeosError as exc:  # the bridge stops with feosd (a parked session)
                         log.debug("guest of %s: closing the session: %s", self.vm_id, exc)
+                log.debug("guest of %s: the session closed in %.1f ms", self.vm_id,
+                          1000 * (time.monotonic() - t0))
             # A new hello from the agent is not taken up on the same connection: what the
             # node's old session still sent would reach the agent's new one. A new dial makes
             # the port drop all of that (the agent reads EOF), then the new session starts.

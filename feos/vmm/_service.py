@@ -18,7 +18,10 @@ A suspend past its snapshot's timeout leaves the microVM BUSY: the call fails wi
 marker, a task waits for the VMM to finish, runs the VM again and discards the snapshot; until
 then suspends and shutdowns are refused as busy. The VMM processes outlive feosd (a session of
 their own); a service that starts again reads vms.db and takes each microVM over through its
-driver's `adopt`, restarting none.
+driver's `adopt`, restarting none. With `hold_links` (feosd) the guest links wait until
+`open_links()`: feosd takes the microVMs over, serves its API, and only then do the links dial
+their guests, all at once, so that a restart with pods serves as soon as one without; a guest
+call meanwhile waits for its link (`guest`, within its seconds) as it does after a boot.
 """
 
 from __future__ import annotations
@@ -177,6 +180,7 @@ class _Vm:
     scopes: list[trio.CancelScope] = attrs.field(factory=list)  # the link's and watchers'
     link_scope: trio.CancelScope | None = None
     listener: socket.socket | None = None  # the guest's uplink where the node listens (vsock)
+    taken_over: bool = False  # found running at the start: its link re-attaches after it
 
     generation: int = 0
     suspending: bool = False
@@ -208,6 +212,7 @@ class MicroVms:
         cgroups: Any | None = None,
         network: Callable[[str], Awaitable[Any | None]] | None = None,
         clock_interval: float = 60.0,
+        hold_links: bool = False,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.run_dir = Path(run_dir)
@@ -231,6 +236,9 @@ class MicroVms:
         self._cgroups = cgroups
         self._network = network
         self._clock_interval = clock_interval
+        self._links_open = trio.Event()  # until set, the links made wait before they dial
+        if not hold_links:
+            self._links_open.set()
         self._vms: dict[str, _Vm] = {}
         self._subscribers: list[trio.MemorySendChannel[VmEvent]] = []
         self._write_lock = trio.Lock()
@@ -286,6 +294,7 @@ class MicroVms:
                 task_status.started(self)
                 await trio.sleep_forever()
         finally:
+            log.debug("the microVMs' tasks have ended")
             for driver in self._drivers.values():
                 close = getattr(driver, "close", None)
                 if close is not None:
@@ -295,6 +304,11 @@ class MicroVms:
             records = self._records
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(records.close)
+            log.debug("the microVMs' records are closed")
+
+    def open_links(self) -> None:
+        """The guest links held since the start (`hold_links`) dial their guests now."""
+        self._links_open.set()
 
     def subscribe(self, buffer: int = 256) -> trio.MemoryReceiveChannel[VmEvent]:
         send, recv = trio.open_memory_channel[VmEvent](buffer)
@@ -635,6 +649,8 @@ class MicroVms:
         reason = _busy_reason(vm)
         if reason is not None:
             raise FeosError(Code.UNAVAILABLE, f"{message}; the VM is busy: {reason}", busy=True)
+        if vm.taken_over and vm.link is not None and vm.link.attaches == 0:
+            message += " (its link has not re-attached since feosd started)"
         raise FeosError(Code.UNAVAILABLE, message)
 
     # -- internals --------------------------------------------------------------------
@@ -707,6 +723,7 @@ class MicroVms:
         try:
             with trio.CancelScope() as scope:
                 vm.link_scope = scope
+                await self._links_open.wait()
                 await self._in_scope(vm, link.run)
         finally:
             if listener is not None:
@@ -775,6 +792,7 @@ class MicroVms:
         log.info("microVM %s taken over under %s: %s %s", record.id, vmm_name(record.driver),
                  found.state.value, found.reason)  # fmt: skip
         if found.state in (VmState.RUNNING, VmState.BUSY):
+            vm.taken_over = True
             self._watch(vm)
             assert vm.link is not None
             vm.link.kick()
