@@ -27,6 +27,7 @@ from nodevm import NodeVM, node_image  # noqa: E402
 
 MARKER = "FEOS-FEOSD-IMPORTED"
 TIMEOUT_S = 900.0
+SAID = ("started feosd", "serving the API", "the pods' VMM", "the VMM probe took")
 
 
 def to_answer(image: Path, work: Path) -> float:
@@ -37,7 +38,11 @@ def to_answer(image: Path, work: Path) -> float:
                          "from feos.cli import main; main()", "--socket", f"{v4}:1337",
                          *vm.tls_flags, "host", "info", timeout=30)
             if done.returncode == 0:
-                return time.monotonic() - vm.started
+                took = time.monotonic() - vm.started
+                for line in vm.console().splitlines():  # where feosd's start spent its time
+                    if any(w in line for w in SAID):
+                        print(f"  console: {line.strip()}", flush=True)
+                return took
             time.sleep(0.2)
     raise TimeoutError("feosd did not answer")
 
