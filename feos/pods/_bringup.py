@@ -1,5 +1,5 @@
-"""A pod's bring-up, step by step: (vmm-probe while feosd's VMM probe runs,) disk, vm, guest, volumes,
-containers.
+"""A pod's bring-up, step by step: (vmm-probe while feosd's VMM probe runs,) disk, vm, guest,
+volumes, containers.
 
 Every step looks at what is there first (the disk, the microVM, the containers the guest has), so
 a bring-up that a restart or a stop cut off goes on where it ended. The bring-up runs as a change
