@@ -33,15 +33,29 @@ SAID = ("started feosd", "serving the API", "the pods' VMM", "the VMM probe took
 def to_answer(image: Path, work: Path) -> float:
     with NodeVM.boot(image, work) as vm:
         v4 = vm.wait_console(r"DHCPv4: address (\S+)/\d+ on eth0", TIMEOUT_S).group(1)
+        seen_v4 = time.monotonic() - vm.started
+        serving = None
+        attempts: list[tuple[float, float, str]] = []  # start, seconds, how it ended
         while time.monotonic() - vm.started < TIMEOUT_S:
+            if serving is None and "serving the API" in vm.console():
+                serving = time.monotonic() - vm.started
+            began = time.monotonic()
             done = vm.ns("env", f"PYTHONPATH={REPO}", str(REPO / ".venv/bin/python"), "-c",
                          "from feos.cli import main; main()", "--socket", f"{v4}:1337",
                          *vm.tls_flags, "host", "info", timeout=30)
+            end = (done.stderr.strip().splitlines() or ["answered"])[-1][:60]
+            attempts.append((began - vm.started, time.monotonic() - began,
+                             "answered" if done.returncode == 0 else end))
             if done.returncode == 0:
                 took = time.monotonic() - vm.started
                 for line in vm.console().splitlines():  # where feosd's start spent its time
                     if any(w in line for w in SAID):
                         print(f"  console: {line.strip()}", flush=True)
+                print(f"  DHCPv4 address seen at {seen_v4:.1f} s, `serving the API` at "
+                      f"{serving if serving is not None else float('nan'):.1f} s; feosctl "
+                      f"attempts: {len(attempts)}, the last three: " + "; ".join(
+                          f"at {a:.1f} s {d:.1f} s {e}" for a, d, e in attempts[-3:]),
+                      flush=True)
                 return took
             time.sleep(0.2)
     raise TimeoutError("feosd did not answer")
