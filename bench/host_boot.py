@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -71,6 +72,7 @@ def to_import(image: Path, work: Path) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--keep", type=Path, help="a directory to copy each boot's console to")
     args = ap.parse_args()
     exit_on_sigterm()
     image = node_image()
@@ -80,7 +82,12 @@ def main() -> int:
         for i in range(args.rounds):
             for name, fn, out in (("imported", to_import, imports), ("answering", to_answer, answers)):
                 work = OWNER.directory(Path(tmp) / f"{name}-{i}")
-                out.append(fn(image, work))
+                try:
+                    out.append(fn(image, work))
+                finally:
+                    if args.keep is not None:
+                        args.keep.mkdir(parents=True, exist_ok=True)
+                        shutil.copy(work / "serial.log", args.keep / f"{name}-{i}.log")
                 print(f"round {i + 1}: to feosd {name} {out[-1]:.2f} s", flush=True)
     a, b = statistics.median(answers), statistics.median(imports)
     print(f"to feosd imported (median of {args.rounds}): {b:.2f} s")
