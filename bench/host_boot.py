@@ -49,12 +49,13 @@ def to_answer(image: Path, work: Path) -> float:
                              "answered" if done.returncode == 0 else end))
             if done.returncode == 0:
                 took = time.monotonic() - vm.started
+                serving_at = (f"{serving:.1f} s" if serving is not None else "only after it "
+                              "(feosd listens before it logs, and the log is relayed)")
                 for line in vm.console().splitlines():  # where feosd's start spent its time
                     if any(w in line for w in SAID):
                         print(f"  console: {line.strip()}", flush=True)
-                print(f"  DHCPv4 address seen at {seen_v4:.1f} s, `serving the API` at "
-                      f"{serving if serving is not None else float('nan'):.1f} s; feosctl "
-                      f"attempts: {len(attempts)}, the last three: " + "; ".join(
+                print(f"  DHCPv4 address seen at {seen_v4:.1f} s, `serving the API` "
+                      f"{serving_at}; feosctl attempts: {len(attempts)}, the last three: " + "; ".join(
                           f"at {a:.1f} s {d:.1f} s {e}" for a, d, e in attempts[-3:]),
                       flush=True)
                 return took
