@@ -165,12 +165,13 @@ def own_binary() -> Path:
     return Path(sys.argv[0]).resolve()
 
 
-def vmm_info(choice: Any, drivers: list[str]) -> dict[str, Any]:
-    """HostInfo.vmm from the microVM service's choice (a VmmChoice, None before it decided) and
-    the drivers of the microVMs it serves."""
+def vmm_info(choice: Any, drivers: list[str], probing: str = "") -> dict[str, Any]:
+    """HostInfo.vmm from the microVM service's choice (a VmmChoice, None before it decided: then
+    `probing` says what the probe is doing, MicroVms.probing) and the drivers of the microVMs it
+    serves."""
     counts = {name: drivers.count(name) for name in sorted(set(drivers))}
+    microvms = [{"driver": d, "count": n} for d, n in counts.items()]
     if choice is None:
-        return {"reason": "not decided yet", "microvms": []}
+        return {"reason": probing or "not decided yet", "microvms": microvms}
     return {"driver": choice.driver, "accel": choice.accel, "reason": choice.reason,
-            "requested": choice.requested,
-            "microvms": [{"driver": d, "count": n} for d, n in counts.items()]}
+            "requested": choice.requested, "microvms": microvms}

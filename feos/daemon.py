@@ -345,12 +345,14 @@ class Daemon:
         choice = self.vms.choice if self.vms is not None else None
         return {"guests": installed_guests(guest_root()), "firecrackers": firecrackers,
                 "driver": choice.driver if choice else "",
-                "accel": f"{choice.accel} ({choice.reason})" if choice else "",
+                "accel": f"{choice.accel} ({choice.reason})" if choice else
+                         self.vms.probing() if self.vms is not None else "",
                 "network": self.network_status()}
 
     def vmm_info(self) -> dict[str, Any]:
         vms = self.vms.list() if self.vms is not None else []
-        return vmm_info(self.vms.choice if self.vms else None, [vm.driver for vm in vms])
+        return vmm_info(self.vms.choice if self.vms else None, [vm.driver for vm in vms],
+                        self.vms.probing() if self.vms else "")
 
     def control_plane_info(self) -> dict[str, Any]:
         return self.link.info() if self.link is not None else {"configured": False}
@@ -426,7 +428,10 @@ class Daemon:
     async def serve(self, inherited: dict[str, socket.socket]) -> None:
         lock_fd = await take_lock(self.state_dir / "feosd.lock")
         set_subreaper()
-        vmm = await choose_vmm(self.args.vmm, self.state_dir)  # --vmm firecracker may refuse
+        # --vmm firecracker is probed before feosd serves: it refuses to start where Firecracker
+        # cannot run. auto and qemu serve at once, the probe going on (MicroVms.run).
+        vmm = await choose_vmm(self.args.vmm, self.state_dir) \
+            if self.args.vmm == "firecracker" else None
         tls = None if self.args.tcp is None else tcp_tls(self.args, self.node_dir)
         self.load()
         staged = None
@@ -436,7 +441,8 @@ class Daemon:
             # the guest links wait until the API serves (open_links below): a restart with pods
             # serves as soon as one without, the links re-attach after it
             self.vms = MicroVms(self.state_dir, self.run_dir, bridge, network=self.guest_network,
-                                cgroups=cgroups, choice=vmm, hold_links=True)
+                                cgroups=cgroups, choice=vmm, vmm=self.args.vmm,
+                                hold_links=True)
             await nursery.start(self.vms.run)
             wait = DISKD_WAIT_S if self.args.disk_wait is None else self.args.disk_wait
             self.diskd = Diskd(self.args.disk_socket or self.state_dir / "disk" / "diskd.sock",

@@ -113,7 +113,7 @@ struct PodInfo {
   driver @10 :Text;              # qemu or firecracker
   imageLayers @11 :ImageLayers;
   disk @12 :Text;                # what its disk was made on: "blank:<guest version>" or "layer:<digest>"
-  step @13 :Text;                # the bring-up's step while pending: disk, vm, guest, volumes, containers
+  step @13 :Text;                # the bring-up's step while pending: vmm-probe, disk, vm, guest, volumes, containers
   generation @14 :UInt64;        # counts the pod's changes; a new pod of the same ID starts anew
   baked @15 :Text;               # the layer baked of the pod's image, once it is in the object store
   checkpoint @16 :Text;          # while hibernated: its checkpoint in the object store (sha256:...)

@@ -1,4 +1,5 @@
-"""A pod's bring-up, step by step: disk, vm, guest, volumes, containers.
+"""A pod's bring-up, step by step: (vmm-probe while feosd's VMM probe runs,) disk, vm, guest,
+volumes, containers.
 
 Every step looks at what is there first (the disk, the microVM, the containers the guest has), so
 a bring-up that a restart or a stop cut off goes on where it ended. The bring-up runs as a change
@@ -71,6 +72,10 @@ class BringUp:
     async def run(self, pod: Pod) -> None:
         """Every step, RUNNING left to the caller; FeosError naming what failed."""
         token, pod.pull_token = pod.pull_token, ""
+        if self._vms.probing():  # feosd serves before its VMM probe ends: the create waits
+            self._step(pod, "vmm-probe")
+            log.info("pod %s waits for the VMM probe: %s", pod.id, self._vms.probing())
+            await self._vms.decided()
         self._step(pod, "disk")
         # A disk made by this bring-up holds no containers: no listContainers to ask (a guest
         # call, one of three on the containers' path). A bring-up cut off after the disk was

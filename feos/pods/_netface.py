@@ -28,10 +28,20 @@ class NetworkFace:
     def net(self, pod: Pod) -> PodNet:
         network = pod.spec.network
         assert network is not None
-        driver = pod.driver or (self._driver_for(pod.id) if self._driver_for else "")
+        driver = pod.driver or self._node_driver(pod.id)
         return PodNet(pod.id, pod.ipv6, pod.ipv4, network.security_groups, network.name_tables,
                       network.dns_upstreams, pod.spec.metadata_json, driver,
                       published=network.publish)
+
+    def _node_driver(self, pod_id: str) -> str:
+        """The VMM a pod not yet prepared would boot on; "" while feosd's VMM probe runs (its
+        bring-up's prepare names it then)."""
+        if self._driver_for is None:
+            return ""
+        try:
+            return self._driver_for(pod_id)
+        except FeosError:
+            return ""
 
     def pods(self, pods: Iterable[Pod]) -> list[PodNet]:
         return [self.net(p) for p in pods if p.spec.network is not None]

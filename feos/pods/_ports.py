@@ -88,6 +88,14 @@ class MicroVmsPort(Protocol):
         """The VMM the microVM runs on, or the node's own for one that is not running."""
         ...
 
+    def probing(self) -> str:
+        """While the node's VMM probe runs, what it does ("" once decided)."""
+        ...
+
+    async def decided(self) -> Any:
+        """The node's VMM (a VmmChoice) once its probe has decided it."""
+        ...
+
     async def guest(self, vm_id: str, *, within: float = ...) -> Any:
         """The attached guest (a `Guest`: GuestHandle reaches the client's methods through its
         __getattr__, which a Protocol does not see), or UNAVAILABLE once `within` passed."""

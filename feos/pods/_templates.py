@@ -255,6 +255,12 @@ class Templates:
     def list(self) -> list[dict[str, Any]]:
         return [t.answer(self.root / t.name) for t in self._have.values()]
 
+    async def _decided(self) -> None:
+        """The node's VMM decided (a template's key names it): its probe may still run."""
+        decided = getattr(self._vms, "decided", None)
+        if decided is not None:
+            await decided()
+
     def key_for(self, shape: Shape, base: str, image: str = "", held: str = "") -> TemplateKey:
         from ..vmm import guest_root, newest_guest
 
@@ -276,6 +282,7 @@ class Templates:
         shape = shape_of(pod)
         if shape is None or self._nursery is None or not (self._have or self.on_first_use):
             return None
+        await self._decided()
         try:
             key = await trio.to_thread.run_sync(self.key_for, shape, base, image)
         except FeosError as exc:
@@ -339,6 +346,7 @@ class Templates:
         (made now unless the node has it)."""
         if image:
             check_held(image, shape, "image")
+        await self._decided()
         key = await trio.to_thread.run_sync(self.key_for, shape, base, "", image)
         if key.vmm != "qemu":
             raise FeosError(Code.FAILED_PRECONDITION, f"the node's VMM is {key.vmm}: templates "

@@ -8,7 +8,14 @@ change runs under the microVM's lock and is checked against one table, `next_sta
 change is recorded.
 
 The node's VMM (`VmmChoice`: QEMU or Firecracker, KVM or TCG) is decided once, at the start
-(_choice.py), and every microVM created from then on is made with it. A microVM keeps the VMM
+(_choice.py), and every microVM created from then on is made with it. The probes behind it can
+take seconds (a guest kernel booted under KVM, or under nested KVM on TCG: 5 to 20 s) and feosd
+does not wait for them to serve: `run` waits QUICK_S (an answer from the probes' caches, or a
+node without /dev/kvm, is there by then), then the probe goes on in the service's nursery.
+Until it ends, what needs the choice waits for it (`decided`: a create, a start that moves a
+microVM, a restore; the pod's step says `vmm-probe` meanwhile), what cannot wait (`driver_for`
+of a microVM without a VMM of its own, `vmm_version`) is refused UNAVAILABLE naming the probe,
+and host info says it is probing (`probing`). A microVM keeps the VMM
 its record names while it has a process or a snapshot (running, busy, suspended), across
 restarts of feosd too; one that has neither (created, stopped, crashed) is moved to the node's
 VMM at its next start (`_rehome`: the old driver's directory removed, the new one prepared from
@@ -57,6 +64,7 @@ SHUTDOWN_S = 30.0
 GUEST_CALL_S = 5.0
 PURGE_S = 10.0
 SETTLE_S = 3.0
+QUICK_S = 1.0  # how long the start waits for the VMM probe before it serves without it
 
 # -- the state table -------------------------------------------------------------------------
 
@@ -229,7 +237,12 @@ class MicroVms:
             choice = VmmChoice(name, accel or ("kvm" if name == "firecracker" else "tcg"),
                                "given by the caller", "given")  # fmt: skip
         self._choice = choice
+        self._decided = trio.Event()
+        if choice is not None:
+            self._decided.set()
+        self._probe_started: float | None = None  # trio's clock, from the probe's start
         self._vmm_request = vmm
+        self._quick_s = QUICK_S
         self._guest_root = guest_dir
         self._attach_timeout = attach_timeout
         self._snapshot_timeout = snapshot_timeout
@@ -254,9 +267,39 @@ class MicroVms:
         """The node's VMM (None before `run` decided it)."""
         return self._choice
 
-    def _choose(self) -> VmmChoice:
-        assert self._choice is not None, "MicroVms.run decides the VMM"
+    def probing(self) -> str:
+        """While the VMM probe runs: what it is doing and for how long (host info, refusals);
+        "" once the node's VMM is decided."""
+        if self._choice is not None:
+            return ""
+        if self._probe_started is None:
+            return "feosd has not started probing which VMM runs pods yet"
+        took = trio.current_time() - self._probe_started
+        return (f"feosd is still probing which VMM runs pods (--vmm {self._vmm_request}: KVM"
+                f"{'' if self._vmm_request == 'qemu' else ', Firecracker'}; {took:.0f} s so far)")
+
+    async def decided(self) -> VmmChoice:
+        """The node's VMM, once the probe has decided it (at once if it has)."""
+        await self._decided.wait()
+        assert self._choice is not None
         return self._choice
+
+    def _choose(self) -> VmmChoice:
+        if self._choice is None:
+            raise FeosError(Code.UNAVAILABLE, f"{self.probing()}: try again in a few seconds")
+        return self._choice
+
+    async def _decide(self) -> None:
+        """The probes and the choice (run's first task); the waiters woken."""
+        self._probe_started = trio.current_time()
+        choice = await choose_vmm(self._vmm_request, self.state_dir)
+        if choice.driver not in self._drivers:
+            raise FeosError(Code.FAILED_PRECONDITION, f"no driver for {choice.driver}")
+        took = trio.current_time() - self._probe_started
+        if took > self._quick_s:
+            log.info("the VMM probe took %.1f s; the API was served meanwhile", took)
+        self._choice = choice
+        self._decided.set()
 
     def _driver(self, vm: _Vm) -> Driver:
         return self._drivers[vm.record.driver]
@@ -275,9 +318,7 @@ class MicroVms:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._records = await trio.to_thread.run_sync(Records, self.state_dir / "vms.db")
-        if self._choice is None:
-            self._choice = await choose_vmm(self._vmm_request, self.state_dir)
-        if self._choice.driver not in self._drivers:
+        if self._choice is not None and self._choice.driver not in self._drivers:
             raise FeosError(Code.FAILED_PRECONDITION, f"no driver for {self._choice.driver}")
         if self._cgroups is not None:
             from . import _cgroup
@@ -286,6 +327,10 @@ class MicroVms:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                if self._choice is None:  # the probe: served without it if it takes long
+                    nursery.start_soon(self._decide)
+                    with trio.move_on_after(self._quick_s):
+                        await self._decided.wait()
                 # every microVM's VMM asked at once, not one after another: feosd serves
                 # only after them, so a restart with pods is not longer by a round trip a pod
                 async with trio.open_nursery() as adopting:
@@ -335,7 +380,7 @@ class MicroVms:
                 raise FeosError(Code.ALREADY_EXISTS, f"microVM {vm_id} exists with another spec")
             return self._info(vm)
         version, gdir = newest_guest(self._guest_root or guest_root())
-        choice = self._choose()
+        choice = await self.decided()
         record = VmRecord(vm_id, choice.driver, VmState.CREATED, "", version, choice.accel,
                           spec, self._free_uid())  # fmt: skip
         return await self._admit(record, gdir)
@@ -378,7 +423,7 @@ class MicroVms:
     async def _rehome(self, vm: _Vm) -> None:
         """A microVM without process or snapshot moves to the node's VMM before it boots: the
         old driver's directory goes, the new driver prepares the same spec (disks, TAP, uid)."""
-        choice = self._choose()
+        choice = await self.decided()
         if (vm.record.driver, vm.record.accel) == (choice.driver, choice.accel):
             return
         was = f"{vmm_name(vm.record.driver)} under {vm.record.accel.upper()}"
@@ -616,7 +661,8 @@ class MicroVms:
                             f"the snapshot's guest {guest_version} is not installed here")
         if driver not in self._drivers:
             raise FeosError(Code.FAILED_PRECONDITION, f"{vmm_name(driver)} is not installed here")
-        accel = self._choose().accel if self._choose().driver == driver else "tcg"
+        choice = await self.decided()
+        accel = choice.accel if choice.driver == driver else "tcg"
         record = VmRecord(vm_id, driver, VmState.SUSPENDED, "restored", guest_version, accel,
                           spec, self._free_uid())  # fmt: skip
 

@@ -85,6 +85,16 @@ class FakeVms(Holds):
         super().__init__()
         self.vms: dict[str, VmInfo] = {}
         self.send, self.receive = trio.open_memory_channel[VmEvent](16)
+        self.probe = ""  # what probing() says while the VMM probe runs (a test sets it)
+        self.probe_done = trio.Event()
+        self.probe_done.set()
+
+    def probing(self) -> str:
+        return self.probe
+
+    async def decided(self) -> str:
+        await self.probe_done.wait()
+        return "fakevmm"
 
     def _set(self, vm_id: str, state: VmState) -> VmInfo:
         info = VmInfo(vm_id, state, "", "fakevmm", "tcg", "g1", 1, 256, state is VmState.RUNNING)

@@ -178,3 +178,24 @@ async def test_params_are_checked_once_at_the_edge(
             await made.pods.exec_in_pod({"id": P1})
         with pytest.raises(FeosError, match="podId"):
             await made.pods.watch_events({"podId": "nope"})
+
+
+async def test_a_create_during_the_vmm_probe_waits_for_it_and_says_so(
+        tmp_path: Path, monkeypatch: Any, autojump_clock: Any) -> None:
+    """feosd serves before its VMM probe ends: a pod created meanwhile shows step `vmm-probe`,
+    makes no microVM until the probe has decided, then comes up."""
+    async with node(tmp_path, monkeypatch) as made:
+        made.vms.probe = "feosd is still probing which VMM runs pods (--vmm auto: KVM; 3 s so far)"
+        made.vms.probe_done = trio.Event()
+        await made.pods.create_pod({"id": P1, "spec": SPEC})
+        await trio.sleep(10)
+        assert made.pods._pods[P1].step == "vmm-probe"
+        assert made.state(P1) == "pending"
+        assert "create" not in made.vms.calls
+        made.vms.probe = ""
+        made.vms.probe_done.set()
+        bringup = made.pods._pods[P1].bringup
+        assert bringup is not None
+        await bringup.done.wait()
+        assert made.state(P1) == "running"
+        assert "create" in made.vms.calls

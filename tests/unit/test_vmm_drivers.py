@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import trio
 
+from feos._host import vmm_info
 from feos.errors import Code, FeosError, busy
 from feos.vmm import _service
 from feos.vmm._choice import VmmChoice
@@ -256,3 +257,105 @@ async def test_the_choice_is_made_at_the_start_when_not_given(
         assert asked == ["firecracker"]
         assert vms.choice == FC and vms.accel == "kvm"
         n.cancel_scope.cancel()
+
+
+# -- the VMM probe, served around -------------------------------------------------------------
+
+
+async def test_a_slow_probe_does_not_hold_the_service_and_a_create_waits_for_it(
+        tmp_path: Path, guests: Path, monkeypatch: pytest.MonkeyPatch,
+        autojump_clock: Any) -> None:
+    """The service starts once QUICK_S passed without the probe's answer; meanwhile host info
+    says it probes, what needs the node's VMM at once is refused UNAVAILABLE naming the probe,
+    a create waits and is made with the VMM the probe then decides."""
+    release = trio.Event()
+
+    async def choose(requested: str, state_dir: Path) -> VmmChoice:
+        await release.wait()
+        return FC
+
+    monkeypatch.setattr(_service, "choose_vmm", choose)
+    drivers = _drivers(tmp_path)
+    vms = MicroVms(tmp_path / "state", tmp_path / "run", NoGuest(), drivers=drivers,
+                   guest_dir=guests)
+    made: list[Any] = []
+    async with trio.open_nursery() as n:
+        before = trio.current_time()
+        await n.start(vms.run)
+        assert trio.current_time() - before == pytest.approx(_service.QUICK_S)
+        assert vms.choice is None
+        await trio.sleep(4)
+        assert vms.probing() == ("feosd is still probing which VMM runs pods (--vmm auto: KVM, "
+                                 "Firecracker; 5 s so far)")
+        assert vmm_info(None, [], vms.probing())["reason"] == vms.probing()
+        with pytest.raises(FeosError) as exc:
+            vms.driver_for(POD)
+        assert exc.value.code is Code.UNAVAILABLE
+        assert exc.value.message == f"{vms.probing()}: try again in a few seconds"
+
+        done = trio.Event()
+
+        async def create() -> None:
+            made.append(await vms.create(POD, VmSpec()))
+            done.set()
+
+        n.start_soon(create)
+        await trio.sleep(30)
+        assert made == [] and drivers["firecracker"].calls == []
+        release.set()
+        await done.wait()
+        assert vms.choice == FC and vms.probing() == ""
+        assert [(i.driver, i.accel) for i in made] == [("firecracker", "kvm")]
+        assert vms.driver_for(POD) == "firecracker"
+        n.cancel_scope.cancel()
+
+
+async def test_a_quick_probe_is_decided_before_the_service_starts(
+        tmp_path: Path, guests: Path, monkeypatch: pytest.MonkeyPatch,
+        autojump_clock: Any) -> None:
+    """An answer within QUICK_S (the probes' caches; no /dev/kvm) is there before it serves."""
+
+    async def choose(requested: str, state_dir: Path) -> VmmChoice:
+        await trio.sleep(0.2)
+        return QEMU_TCG
+
+    monkeypatch.setattr(_service, "choose_vmm", choose)
+    vms = MicroVms(tmp_path / "state", tmp_path / "run", NoGuest(), drivers=_drivers(tmp_path),
+                   guest_dir=guests)
+    async with trio.open_nursery() as n:
+        before = trio.current_time()
+        await n.start(vms.run)
+        assert trio.current_time() - before == pytest.approx(0.2)
+        assert vms.choice == QEMU_TCG and vms.probing() == ""
+        n.cancel_scope.cancel()
+
+
+async def test_a_probe_that_fails_after_the_start_ends_the_service(
+        tmp_path: Path, guests: Path, monkeypatch: pytest.MonkeyPatch,
+        autojump_clock: Any) -> None:
+    """A probe's error after the service started is the service's end (feosd stops with it),
+    not a node that serves without a VMM for ever."""
+
+    async def choose(requested: str, state_dir: Path) -> VmmChoice:
+        await trio.sleep(10)
+        return VmmChoice("cloud-hypervisor", "kvm", "fake", "auto")
+
+    monkeypatch.setattr(_service, "choose_vmm", choose)
+    vms = MicroVms(tmp_path / "state", tmp_path / "run", NoGuest(), drivers=_drivers(tmp_path),
+                   guest_dir=guests)
+    errors: list[FeosError] = []
+    try:
+        async with trio.open_nursery() as n:
+            await n.start(vms.run)
+            await trio.sleep_forever()
+    except* FeosError as group:
+        errors += [e for e in _leaves(group) if isinstance(e, FeosError)]
+    assert [(e.code, e.message) for e in errors] == [
+        (Code.FAILED_PRECONDITION, "no driver for cloud-hypervisor")]
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out += _leaves(e) if isinstance(e, BaseExceptionGroup) else [e]
+    return out
