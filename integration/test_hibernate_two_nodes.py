@@ -17,7 +17,8 @@ order (each test also passes alone: `pod_on` makes what it needs):
 5. checkpoints refused with nothing left half made: a reference the store lacks (NOT_FOUND),
    a checkpoint whose bytes were changed (DATA_LOSS), one whose layer is gone (NOT_FOUND).
 
-Two boots in all (H1, H2); the rest are QEMU loading snapshots.
+Two boots in all (H1, H2), side by side: H2's create starts with the module (`nodes`) and the
+first test that needs H2 waits for it; the rest are QEMU loading snapshots.
 """
 
 from __future__ import annotations
@@ -55,6 +56,15 @@ class Nodes:
     a: PodNet
     b: PodNet
     s3: MotoS3
+    h2_create: subprocess.Popen[str] | None = None  # H2's create on A, started with the module
+
+    def h2_on_a(self) -> str:
+        """H2 running on A with its token (pod_on), once the module's create of it ended."""
+        if self.h2_create is not None:
+            create, self.h2_create = self.h2_create, None
+            code, _, err = ended(create)
+            assert code == 0, err
+        return pod_on(self.a, H2)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +75,14 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
         for net in (a, b):
             net.feosd.diskd.env.update(s3.env())
         with a, b:
-            yield Nodes(a, b, s3)
+            # H2 boots beside H1 (the first test's): its create goes on while that test runs
+            made = Nodes(a, b, s3, h2_create=a.ctl_popen("pod", "create", H2, "--wait", *CREATE))
+            try:
+                yield made
+            finally:
+                if made.h2_create is not None:  # no test waited for it
+                    made.h2_create.kill()
+                    made.h2_create.communicate(timeout=60)
 
 
 def token(net: PodNet, pod_id: str) -> str:
@@ -147,7 +164,7 @@ def test_hibernated_on_one_node_restored_on_the_other(nodes: Nodes) -> None:
 
 def test_a_resume_abandons_a_hibernation(nodes: Nodes) -> None:
     a = nodes.a
-    before = pod_on(a, H2)
+    before = nodes.h2_on_a()
     with store_paused(nodes.s3):
         hibernation = a.ctl_popen("pod", "hibernate", H2)
         try:
@@ -165,7 +182,7 @@ def test_a_resume_abandons_a_hibernation(nodes: Nodes) -> None:
 
 def test_no_abandon_makes_the_resume_wait_and_restore(nodes: Nodes) -> None:
     a = nodes.a
-    before = pod_on(a, H2)
+    before = nodes.h2_on_a()
     with store_paused(nodes.s3):
         hibernation = a.ctl_popen("--json", "pod", "hibernate", H2, "--no-abandon")
         try:
@@ -189,7 +206,7 @@ def test_no_abandon_makes_the_resume_wait_and_restore(nodes: Nodes) -> None:
 @pytest.mark.parametrize("kill", ["feosd", "diskd"])
 def test_kill_9_mid_hibernation_ends_on_the_node_or_hibernated(nodes: Nodes, kill: str) -> None:
     a = nodes.a
-    before = pod_on(a, H2)
+    before = nodes.h2_on_a()
     with store_paused(nodes.s3):
         hibernation = a.ctl_popen("pod", "hibernate", H2)
         try:
@@ -208,7 +225,7 @@ def test_kill_9_mid_hibernation_ends_on_the_node_or_hibernated(nodes: Nodes, kil
     deadline = time.monotonic() + 300
     pod = a.ctl_json("pod", "get", H2)
     while pod.get("hibernation") and time.monotonic() < deadline:
-        time.sleep(1)  # a hibernation that went on with a diskd started again
+        time.sleep(0.2)  # a hibernation that went on with a diskd started again
         pod = a.ctl_json("pod", "get", H2)
     assert pod["state"] in ("running", "suspended", "hibernated"), pod
     if pod["state"] == "hibernated":
@@ -220,7 +237,7 @@ def test_kill_9_mid_hibernation_ends_on_the_node_or_hibernated(nodes: Nodes, kil
 
 def test_bad_checkpoints_are_refused_leaving_nothing(nodes: Nodes) -> None:
     a, b = nodes.a, nodes.b
-    pod_on(a, H2)
+    nodes.h2_on_a()
     ref = a.ctl_json("pod", "hibernate", H2, timeout=600)["checkpoint"]
     client = nodes.s3.client()
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=nodes.s3.bucket)["Contents"]]

@@ -1,4 +1,5 @@
-"""Two nodes on one mesh, a QEMU pod on each (boots two microVMs: run under /tmp/feos-vm.lock).
+"""Two nodes on one mesh, a QEMU pod on each (boots two microVMs, at once: run under
+/tmp/feos-vm.lock).
 
 Each node is an integration/podnet.PodNet without --pod-prefix (a node namespace where feosd runs
 with a hostname of its own, an internet namespace with its registry and resolver), the two node
@@ -14,6 +15,7 @@ Both reach IPv4 (the registry their guests pull from), masqueraded as on any nod
 
 from __future__ import annotations
 
+import concurrent.futures
 import ipaddress
 import secrets
 import sys
@@ -91,12 +93,14 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         cp.put_mesh_peers(1)
         for n, net in nodes.items():
             net.ctl("group", "put", net.spec_file("group", GROUPS[n]))
-        pods = create_pods(nodes["a"], {CLIENT: pod_spec(IMAGE, ["sleep", "3600"],
-                                                         groups=["client"])})
-        pods |= create_pods(nodes["b"], {SERVER: pod_spec(
-            IMAGE, ["/bin/sh", "-c", "busybox mkdir -p /www && echo hello-over-the-mesh > "
-                    f"/www/index.html && exec busybox httpd -f -p {POD_PORT} -h /www"],
-            groups=["web"])})
+        specs = {"a": {CLIENT: pod_spec(IMAGE, ["sleep", "3600"], groups=["client"])},
+                 "b": {SERVER: pod_spec(
+                     IMAGE, ["/bin/sh", "-c", "busybox mkdir -p /www && echo hello-over-the-mesh "
+                             f"> /www/index.html && exec busybox httpd -f -p {POD_PORT} -h /www"],
+                     groups=["web"])}}
+        with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:  # both boots at once
+            made = pool.map(lambda n: create_pods(nodes[n], specs[n]), specs)
+            pods = {pod_id: pod for each in made for pod_id, pod in each.items()}
         yield Mesh(cp, nodes, pods)
     finally:
         for net in nodes.values():

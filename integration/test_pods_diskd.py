@@ -3,11 +3,13 @@ top, a kill -9 of diskd under running pods (they keep their disks, the next disk
 plain files from before diskd taken over, a feosd without diskd.
 
 One feosd (with its diskd) for the module; its pods boot the installed guest under TCG, without
-a network or containers (the guest formats and mounts the volume: that is the writing).
+a network or containers (the guest formats and mounts the volume: that is the writing). The two
+pods of the first test are brought up at once (two creates in flight), as a node does.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -53,8 +55,10 @@ def disk(node: Feosd, disk_id: str) -> dict:  # type: ignore[type-arg]
 
 
 def test_two_pods_stand_on_the_guests_layer_with_no_copy(node: Feosd) -> None:
-    a = running_pod(node, "dka0000001a", "-f", spec_file(node, "a", SPEC))
-    b = running_pod(node, "dkb0000001a", "-f", spec_file(node, "b", SPEC))
+    files = {pod_id: spec_file(node, name, SPEC)
+             for pod_id, name in (("dka0000001a", "a"), ("dkb0000001a", "b"))}
+    with concurrent.futures.ThreadPoolExecutor(len(files)) as pool:
+        a, b = pool.map(lambda item: running_pod(node, item[0], "-f", item[1]), files.items())
     disk_a, disk_b = disk(node, a["id"]), disk(node, b["id"])
     assert disk_a["layers"] == disk_b["layers"] and len(disk_a["layers"]) == 1
     for d in (disk_a, disk_b):

@@ -3,10 +3,10 @@
 One node for the module (podnet.PodNet: feosd in a network namespace of its own, a registry and
 a resolver in another). In order, the tests are one user's session on pod A: create with a
 container from the registry, exec, logs, the network, suspend and resume, stop and start, delete;
-then pod B on A's volume, two pods that fail (a container that cannot be made, an image that
-does not exist) booted side by side, and one whose command is not in its image. Six boots. Each
-test also passes alone: the fixture pod_a makes A (or brings it back to running) for those that
-need it.
+then pod B on A's volume, and three pods that fail, booted side by side (the fixture `failing`
+starts their creates at once): a container that cannot be made, an image that does not exist, and
+a command that is not in its image. Six boots. Each test also passes alone: the fixture pod_a
+makes A (or brings it back to running) for those that need it.
 """
 
 from __future__ import annotations
@@ -46,6 +46,26 @@ def pod_a(net: PodNet) -> str:
         net.ctl("volume", "create", VOLUME, "--size", "128MiB")
     running_pod(net, A, *CREATE_A)
     return A
+
+
+@pytest.fixture(scope="module")
+def failing(net: PodNet) -> Iterator[dict[str, subprocess.Popen[str]]]:
+    """The creates (with --wait) of the three pods that fail, started at once: their boots side
+    by side. Each test waits for those it looks at."""
+    missing = f"{REGISTRY_V4}:5000/feos/no-such-image:1"
+    creates = {
+        BAD_USER: net.ctl_popen("pod", "create", BAD_USER, "--wait", "--memory", "256MiB",
+                                "--image", BAD_USER_IMAGE),
+        BAD_IMAGE: net.ctl_popen("pod", "create", BAD_IMAGE, "--wait", "--memory", "256MiB",
+                                 "--name", "web", "--image", missing, "--cmd", "sleep", "60"),
+        BAD_CMD: net.ctl_popen("pod", "create", BAD_CMD, "--wait", "--memory", "256MiB",
+                               "--image", IMAGE, "--cmd", "/bin/no-such-program"),
+    }
+    yield creates
+    for create in creates.values():  # those a test selected alone did not wait for
+        if create.poll() is None:
+            create.kill()
+        create.communicate(timeout=60)
 
 
 def token_and_count(net: PodNet, pod_id: str) -> tuple[str, int]:
@@ -175,12 +195,8 @@ def test_delete_frees_the_volume_for_a_second_pod(net: PodNet, pod_a: str) -> No
     assert net.ctl_json("volume", "get", VOLUME)["podId"] == B
 
 
-def test_pods_that_fail_say_why(net: PodNet) -> None:
-    missing = f"{REGISTRY_V4}:5000/feos/no-such-image:1"
-    waits = [net.ctl_popen("pod", "create", BAD_USER, "--wait", "--memory", "256MiB",
-                           "--image", BAD_USER_IMAGE),
-             net.ctl_popen("pod", "create", BAD_IMAGE, "--wait", "--memory", "256MiB",
-                           "--name", "web", "--image", missing, "--cmd", "sleep", "60")]
+def test_pods_that_fail_say_why(net: PodNet, failing: dict[str, subprocess.Popen[str]]) -> None:
+    waits = [failing[BAD_USER], failing[BAD_IMAGE]]
     outs = [w.communicate(timeout=300) for w in waits]
     for w, (_, err) in zip(waits, outs, strict=True):
         assert w.returncode == 19, err
@@ -197,13 +213,14 @@ def test_pods_that_fail_say_why(net: PodNet) -> None:
     assert {listed.get(BAD_USER), listed.get(BAD_IMAGE)} == {"failed"}
 
 
-def test_a_command_that_is_not_there_fails_the_pod_naming_it(net: PodNet) -> None:
+def test_a_command_that_is_not_there_fails_the_pod_naming_it(
+        net: PodNet, failing: dict[str, subprocess.Popen[str]]) -> None:
     # The guest looks the command up in the image's root at the container's create (as docker's
     # create does), so a program the image lacks fails the pod with the reason, rather than a
     # pod that runs a container that exited at once.
-    done = net.ctl("pod", "create", BAD_CMD, "--wait", "--memory", "256MiB", "--image", IMAGE,
-                   "--cmd", "/bin/no-such-program", check=False)
-    assert done.returncode == 19, done.stderr
+    done = failing[BAD_CMD]
+    _, err = done.communicate(timeout=300)
+    assert done.returncode == 19, err
     bad = net.ctl_json("pod", "get", BAD_CMD)
     assert bad["state"] == "failed"
     assert "container main" in bad["reason"]

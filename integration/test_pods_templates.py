@@ -131,8 +131,11 @@ def test_a_file_and_memory_are_private_to_their_pod(
     # a process's memory: a value only one pod's process holds is nowhere in the other's
     net.ctl("pod", "exec", one, "--", "sh", "-c",
             "MARK=only-in-$(hostname) sleep 3600 >/dev/null 2>&1 &")
-    time.sleep(1)
-    assert f"only-in-{one}" in _read(net, one, "sh", "-c", "cat /proc/*/environ | tr '\\0' '\\n'")
+    deadline = time.monotonic() + 30  # the process started in the background: seen once it is
+    while f"only-in-{one}" not in _read(net, one, "sh", "-c",
+                                        "cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'"):
+        assert time.monotonic() < deadline, f"no process of {one} holds the value"
+        time.sleep(0.1)
     assert f"only-in-{one}" not in _read(net, other, "sh", "-c",
                                          "cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'")
 
@@ -189,7 +192,7 @@ def test_a_damaged_template_is_dropped_and_made_again(
         found = {t["name"]: t for t in _templates(net)}
         if template["name"] in found:
             break
-        time.sleep(2)
+        time.sleep(0.2)
     else:
         raise AssertionError(f"the template was not made again within {REBUILT_WAIT_S:g}s")
     assert found[template["name"]]["createdUnixNs"] > damaged["createdUnixNs"]
