@@ -2,7 +2,8 @@
 
 A root per distribution is made once with debootstrap (from Debian's mirror, as apt here is
 configured) with what feos's packages depend on from Debian, and cached outside the repo
-($FEOS_DEBROOT_CACHE, default /var/cache/feos-debroots): a rerun starts in seconds. Each test
+($FEOS_DEBROOT_CACHE, default /var/cache/feos-debroots): a rerun starts in seconds; a root
+cached before DEPENDS grew gets what it lacks installed at its next use. Each test
 module boots an overlay of it (the cache is never written), with a private network namespace
 (nothing leaves it), the local apt repository bound in read-only and nothing else of ours.
 Commands run inside with nsenter into the container's namespaces (this host runs no systemd, so
@@ -27,7 +28,7 @@ BASE_INCLUDE = "systemd,systemd-sysv,dbus,python3,iproute2,procps,gpgv,ca-certif
 # what the packages depend on from Debian, installed into the cached root (the container has no
 # network, so its apt finds only feos's repository)
 DEPENDS = ("qemu-system-x86 qemu-utils qemu-system-common fuse3 zstd e2fsprogs kmod libnftables1 "
-           "nftables iproute2 init-system-helpers python3").split()
+           "nftables iproute2 init-system-helpers python3 libnghttp2-14").split()
 BOOT_S = 90.0
 
 
@@ -41,20 +42,29 @@ def base_root(codename: str) -> Path:
     root = CACHE / f"{codename}-base"
     with open(CACHE / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (root / ".feos-complete").exists():
+        marker = root / ".feos-complete"
+        if marker.exists():
+            if marker.read_text().split() != DEPENDS:  # a cached root from before a new dependency
+                _install_depends(root)
+                marker.write_text(" ".join(DEPENDS))
             return root
         tmp = CACHE / f"{codename}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         _run(["debootstrap", "--variant=minbase", f"--include={BASE_INCLUDE}", codename,
               str(tmp), MIRROR], stdout=subprocess.DEVNULL)
-        script = ("apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "
-                  f"--no-install-recommends {' '.join(DEPENDS)} && apt-get clean")
-        _run(["systemd-nspawn", "-q", "--register=no", "--keep-unit", "-D", str(tmp), "--pipe",
-              "sh", "-c", script], stdout=subprocess.DEVNULL)
+        _install_depends(tmp)
         shutil.rmtree(root, ignore_errors=True)
-        (tmp / ".feos-complete").write_text("")
+        (tmp / ".feos-complete").write_text(" ".join(DEPENDS))
         tmp.rename(root)
         return root
+
+
+def _install_depends(root: Path) -> None:
+    """DEPENDS installed into the root from Debian's mirror (those it has already stay)."""
+    script = ("apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "
+              f"--no-install-recommends {' '.join(DEPENDS)} && apt-get clean")
+    _run(["systemd-nspawn", "-q", "--register=no", "--keep-unit", "-D", str(root), "--pipe",
+          "sh", "-c", script], stdout=subprocess.DEVNULL)
 
 
 class Container:

@@ -65,6 +65,9 @@ def test_feosd_runs_in_container_mode_in_the_pod(node: PodmanNode) -> None:
         assert Path(f"/sys/fs/cgroup/{h}{path}/vms").is_dir(), h
     assert "NOTIFY_SOCKET" not in node.environ_of(pid)  # nothing waits for it
     assert "in a container (a cgroup namespace of its own)" in node.logs("feosd")
+    # feosd serves while its VMM probe runs (a fresh container has no cached answer in /run):
+    # host info names no driver until the probe has decided
+    wait_for("the VMM decided", lambda: "driver" in node.ctl_json("host", "info")["vmm"])
     info = node.ctl_json("host", "info")
     assert info["vmm"]["driver"] == "qemu", info
 
