@@ -88,7 +88,7 @@ class NgClientConnection:
         key = tuple(headers)
         found = self._nvas.get(key)  # the bench's calls: a few paths, built once each
         if found is None:
-            found = self._nvas[key] = NgServerCoreNva.of(self._ffi, headers)
+            found = self._nvas[key] = _nghttp2.build_nva(self._ffi, headers)
         nva = found[0]
         if not end_stream:
             self._bodies[stream_id] = bytearray()
@@ -217,18 +217,3 @@ class NgClientConnection:
                 return int(lib.NGHTTP2_ERR_DEFERRED)
         return n
 
-
-class NgServerCoreNva:
-    """Headers as libnghttp2's name-value array (kept alive by the caller's `_keep`)."""
-
-    @staticmethod
-    def of(ffi: Any, headers: list[tuple[bytes, bytes]]) -> tuple[Any, list[Any]]:
-        nva = ffi.new("nghttp2_nv[]", len(headers))
-        keep = []
-        for i, (name, value) in enumerate(headers):
-            n, v = ffi.from_buffer(name), ffi.from_buffer(value)
-            keep += (n, v)
-            entry = nva[i]
-            entry.name, entry.value = ffi.cast("uint8_t *", n), ffi.cast("uint8_t *", v)
-            entry.namelen, entry.valuelen = len(name), len(value)
-        return nva, keep

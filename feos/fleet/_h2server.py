@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Callable, Iterable
+from typing import Any
 from urllib.parse import quote
 
 import attrs
@@ -100,6 +101,139 @@ def trailers(code: Code, message: str) -> list[tuple[bytes, bytes]]:
             (b"feos-message", quote(message, safe=" !\"#$&'()*+,/:;=?@[]^_`{|}~").encode())]
 
 
+def answer_headers(code: Code, message: str, http_status: int) -> list[tuple[bytes, bytes]]:
+    """A whole answer's HEADERS: its status there, as it is known before the body."""
+    return [(b":status", str(http_status).encode()), (b"content-type", CONTENT_TYPE),
+            *trailers(code, message)]
+
+
+STREAM_HEADERS = [(b":status", b"200"), (b"content-type", STREAM_CONTENT_TYPE)]
+
+
+class CoreBase:
+    """What ServerCore and feos.fleet._nghttp2's NgServerCore share, word for word: the
+    options, the ping's timing, the drain's guard, the end's bookkeeping and the stream table's
+    queries. A core sends its own frames: `_send_ping`, `_send_drain` (the drain's GOAWAY) and
+    `_end` (which calls `_ended`)."""
+
+    # each core's _Stream: .outbound, the answer's bytes waiting; .closing, its end once they
+    # are out (trailers, or [] to end with the last DATA)
+    _streams: dict[int, Any]
+
+    def __init__(self, max_streams: int, max_body: int, ping_interval: float,
+                 ping_timeout: float) -> None:
+        self.max_streams = max_streams
+        self.max_body = max_body
+        self.ping_interval = ping_interval
+        self.ping_timeout = ping_timeout
+        self._ping: tuple[bytes, float] | None = None  # ours in flight: its payload, when sent
+        self._next_ping = 0.0
+        self._drained_at: int | None = None  # the last stream taken once drain() was called
+        self.ended: ConnectionEnded | None = None
+
+    def _send_ping(self, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def _send_drain(self) -> None:
+        """Set _drained_at to the last stream taken and send the GOAWAY (NO_ERROR) of a stop."""
+        raise NotImplementedError
+
+    def _end(self, code: ErrorCodes | int, reason: str, *, by_peer: bool,
+             goaway: bool) -> ConnectionEnded:
+        raise NotImplementedError
+
+    def _ended(self, code: ErrorCodes | int, reason: str, by_peer: bool) -> ConnectionEnded:
+        """The connection's end as the core's state: no stream is left to answer."""
+        self.ended = ConnectionEnded(code, reason, by_peer)
+        self._streams.clear()
+        return self.ended
+
+    # -- the connection ------------------------------------------------------------------------
+
+    @property
+    def open_streams(self) -> int:
+        """Streams the peer opened whose answer has not gone out whole."""
+        return len(self._streams)
+
+    @property
+    def draining(self) -> bool:
+        return self._drained_at is not None
+
+    def drain(self) -> None:
+        """The stop's GOAWAY (NO_ERROR): no new stream is taken, those in flight go on."""
+        if self.ended is not None or self._drained_at is not None:
+            return
+        self._send_drain()
+
+    def close(self, code: ErrorCodes = ErrorCodes.NO_ERROR, reason: str = "closed") -> None:
+        """The last GOAWAY; nothing is sent after it."""
+        if self.ended is None:
+            self._end(code, reason, by_peer=False, goaway=True)
+
+    # -- time ----------------------------------------------------------------------------------
+
+    def deadline(self) -> float:
+        """When `tick` must run next."""
+        if self._ping is not None:
+            return self._ping[1] + self.ping_timeout
+        return self._next_ping
+
+    def tick(self, now: float) -> list[Event]:
+        """Our ping sent when it is due; the connection ended when it was not answered."""
+        if self.ended is not None:
+            return []
+        if self._ping is not None:
+            if now - self._ping[1] < self.ping_timeout:
+                return []
+            return [self._end(ErrorCodes.NO_ERROR,
+                              f"the ping was not answered within {self.ping_timeout:g}s",
+                              by_peer=False, goaway=True)]
+        if now >= self._next_ping:
+            payload = os.urandom(8)
+            self._send_ping(payload)
+            self._ping = (payload, now)
+        return []
+
+    def _ping_answered(self, payload: bytes | None, now: float) -> PingAnswered | None:
+        """A PING's ACK: PingAnswered if it is our ping's, and the next one timed from now."""
+        if self._ping is None or payload != self._ping[0]:
+            return None
+        rtt = now - self._ping[1]
+        self._ping = None
+        self._next_ping = now + self.ping_interval
+        return PingAnswered(rtt)
+
+    # -- answers -------------------------------------------------------------------------------
+
+    def send_item(self, stream_id: int, item: bytes) -> None:
+        self._queue(stream_id, ITEM_PREFIX.pack(len(item)) + item, None)
+
+    def end_stream(self, stream_id: int, code: Code, message: str) -> None:
+        """The stream's status as its trailers, after what it sent."""
+        self._queue(stream_id, b"", trailers(code, message))
+
+    def _queue(self, sid: int, data: bytes, closing: list[tuple[bytes, bytes]] | None) -> None:
+        """More of a started answer (its end: closing) for the core to send (`_send_more`)."""
+        stream = self._streams.get(sid)
+        if self.ended is not None or stream is None or stream.closing is not None:
+            return
+        stream.outbound += data
+        stream.closing = closing
+        self._send_more(sid, stream)
+
+    def _send_more(self, sid: int, stream: Any) -> None:
+        raise NotImplementedError
+
+    def has(self, stream_id: int) -> bool:
+        """Whether the stream is still there to be answered."""
+        return self.ended is None and stream_id in self._streams
+
+    def buffered(self, stream_id: int) -> int:
+        """Bytes of the stream's answer that wait for flow control's window."""
+        stream = self._streams.get(stream_id)
+        return len(stream.outbound) if stream is not None else 0
+
+
 class _Refusing(h2.connection.H2Connection):
     """h2's connection, which refuses a stream over the limit rather than the connection, and
     counts its open streams in O(1).
@@ -158,7 +292,7 @@ class _Stream:
     closing: list[tuple[bytes, bytes]] | None = None
 
 
-class ServerCore:
+class ServerCore(CoreBase):
     """One node connection's HTTP/2 server side; see the module's theory of operation."""
 
     def __init__(self, *, max_streams: int = MAX_STREAMS, max_body: int = MAX_BODY,
@@ -169,16 +303,9 @@ class ServerCore:
         self._h2 = _Refusing(config)
         self._h2.count = lambda: len(self._streams)
         self._h2.decoder.max_header_list_size = MAX_HEADER_LIST
-        self.max_streams = max_streams
-        self.max_body = max_body
-        self.ping_interval = ping_interval
-        self.ping_timeout = ping_timeout
+        super().__init__(max_streams, max_body, ping_interval, ping_timeout)
         self._streams: dict[int, _Stream] = {}
         self._out = bytearray()
-        self._ping: tuple[bytes, float] | None = None
-        self._next_ping = 0.0
-        self._drained_at: int | None = None  # the last stream taken once drain() was called
-        self.ended: ConnectionEnded | None = None
 
     # -- the connection ------------------------------------------------------------------------
 
@@ -201,29 +328,12 @@ class ServerCore:
         out, self._out = bytes(self._out), bytearray()
         return out
 
-    @property
-    def open_streams(self) -> int:
-        """Streams the peer opened whose answer has not gone out whole."""
-        return len(self._streams)
-
-    @property
-    def draining(self) -> bool:
-        return self._drained_at is not None
-
-    def drain(self) -> None:
-        """The stop's GOAWAY (NO_ERROR): no new stream is taken, those in flight go on."""
-        if self.ended is not None or self._drained_at is not None:
-            return
+    def _send_drain(self) -> None:
         self._drained_at = self._h2.highest_inbound_stream_id
         self._out += self._h2.data_to_send()
         self._out += GoAwayFrame(0, last_stream_id=self._drained_at,
                                  error_code=ErrorCodes.NO_ERROR,
                                  additional_data=b"the node stops").serialize()
-
-    def close(self, code: ErrorCodes = ErrorCodes.NO_ERROR, reason: str = "closed") -> None:
-        """The last GOAWAY; nothing is sent after it."""
-        if self.ended is None:
-            self._end(code, reason, by_peer=False, goaway=True)
 
     def _end(self, code: ErrorCodes | int, reason: str, *, by_peer: bool,
              goaway: bool) -> ConnectionEnded:
@@ -232,33 +342,10 @@ class ServerCore:
                 self._h2.close_connection(code, reason.encode()[:256])
             except h2.exceptions.ProtocolError:  # h2 has closed already (it sent its own)
                 pass
-        self.ended = ConnectionEnded(code, reason, by_peer)
-        self._streams.clear()
-        return self.ended
+        return self._ended(code, reason, by_peer)
 
-    # -- time ----------------------------------------------------------------------------------
-
-    def deadline(self) -> float:
-        """When `tick` must run next."""
-        if self._ping is not None:
-            return self._ping[1] + self.ping_timeout
-        return self._next_ping
-
-    def tick(self, now: float) -> list[Event]:
-        """Our ping sent when it is due; the connection ended when it was not answered."""
-        if self.ended is not None:
-            return []
-        if self._ping is not None:
-            if now - self._ping[1] < self.ping_timeout:
-                return []
-            return [self._end(ErrorCodes.NO_ERROR,
-                              f"the ping was not answered within {self.ping_timeout:g}s",
-                              by_peer=False, goaway=True)]
-        if now >= self._next_ping:
-            payload = os.urandom(8)
-            self._h2.ping(payload)
-            self._ping = (payload, now)
-        return []
+    def _send_ping(self, payload: bytes) -> None:
+        self._h2.ping(payload)
 
     # -- what the peer sends -------------------------------------------------------------------
 
@@ -345,12 +432,8 @@ class ServerCore:
         return [CallStarted(sid, path, body)]
 
     def _on_ping_ack(self, payload: bytes | None, now: float) -> Iterable[Event]:
-        if self._ping is None or payload != self._ping[0]:
-            return ()
-        rtt = now - self._ping[1]
-        self._ping = None
-        self._next_ping = now + self.ping_interval
-        return [PingAnswered(rtt)]
+        answered = self._ping_answered(payload, now)
+        return () if answered is None else [answered]
 
     def _gone(self, sid: int, code: ErrorCodes | int, reason: str) -> Iterable[Event]:
         stream = self._streams.pop(sid, None)
@@ -364,8 +447,7 @@ class ServerCore:
                http_status: int = 200) -> None:
         """A call's whole answer: its status in the HEADERS frame (it is known before the body),
         then its results message (if any) in DATA that ends the stream."""
-        headers = [(b":status", str(http_status).encode()), (b"content-type", CONTENT_TYPE),
-                   *trailers(code, message)]
+        headers = answer_headers(code, message, http_status)
         if body is None:
             self._send_headers(stream_id, headers, end=True)
             return
@@ -374,25 +456,8 @@ class ServerCore:
 
     def open_stream(self, stream_id: int, first: bytes) -> None:
         """A long-lived answer: its headers, then the method's results as the first item."""
-        self._send_headers(stream_id, [(b":status", b"200"),
-                                       (b"content-type", STREAM_CONTENT_TYPE)])
+        self._send_headers(stream_id, STREAM_HEADERS)
         self.send_item(stream_id, first)
-
-    def send_item(self, stream_id: int, item: bytes) -> None:
-        self._queue(stream_id, ITEM_PREFIX.pack(len(item)) + item, None)
-
-    def end_stream(self, stream_id: int, code: Code, message: str) -> None:
-        """The stream's status as its trailers, after what it sent."""
-        self._queue(stream_id, b"", trailers(code, message))
-
-    def has(self, stream_id: int) -> bool:
-        """Whether the stream is still there to be answered."""
-        return self.ended is None and stream_id in self._streams
-
-    def buffered(self, stream_id: int) -> int:
-        """Bytes of the stream's answer that wait for flow control's window."""
-        stream = self._streams.get(stream_id)
-        return len(stream.outbound) if stream is not None else 0
 
     def reset(self, stream_id: int, code: ErrorCodes = ErrorCodes.CANCEL) -> None:
         """End a stream without an answer (the loop's own: no StreamGone follows)."""
@@ -419,13 +484,7 @@ class ServerCore:
         if end:
             self._finish(sid)
 
-    def _queue(self, sid: int, data: bytes,
-               closing: list[tuple[bytes, bytes]] | None) -> None:
-        stream = self._streams.get(sid)
-        if self.ended is not None or stream is None or stream.closing is not None:
-            return
-        stream.outbound += data
-        stream.closing = closing
+    def _send_more(self, sid: int, stream: _Stream) -> None:
         self._flush(sid)
 
     def _flush_all(self) -> None:

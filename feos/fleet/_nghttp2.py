@@ -49,21 +49,20 @@ from ..errors import Code
 from . import _h2server
 from ._h2server import (
     CONNECTION_WINDOW,
-    CONTENT_TYPE,
     EOF_REASON,
     ITEM_PREFIX,
     MAX_BODY,
     MAX_FRAME_SIZE,
     MAX_HEADER_LIST,
     MAX_STREAMS,
-    STREAM_CONTENT_TYPE,
+    STREAM_HEADERS,
     STREAM_WINDOW,
     CallStarted,
     ConnectionEnded,
+    CoreBase,
     Event,
-    PingAnswered,
     StreamGone,
-    trailers,
+    answer_headers,
 )
 
 try:
@@ -113,6 +112,20 @@ def goaway_frame(last_stream_id: int, code: int, data: bytes) -> bytes:
     return _GOAWAY.pack(length >> 16, length & 0xFFFF, 0x7, 0, 0, last_stream_id, code) + data
 
 
+def build_nva(ffi: Any, headers: list[tuple[bytes, bytes]]) -> tuple[Any, list[Any]]:
+    """Headers as libnghttp2's name-value array, and the buffers it points into (the caller
+    keeps them alive until libnghttp2 has copied the headers)."""
+    nva = ffi.new("nghttp2_nv[]", len(headers))
+    keep: list[Any] = []
+    for i, (name, value) in enumerate(headers):
+        n, v = ffi.from_buffer(name), ffi.from_buffer(value)
+        keep += (n, v)
+        entry = nva[i]
+        entry.name, entry.value = ffi.cast("uint8_t *", n), ffi.cast("uint8_t *", v)
+        entry.namelen, entry.valuelen = len(name), len(value)
+    return nva, keep
+
+
 def _code(value: int) -> ErrorCodes | int:
     try:
         return ErrorCodes(value)
@@ -144,7 +157,7 @@ class _Stream:
         self.closing: list[tuple[bytes, bytes]] | None = None
 
 
-class NgServerCore:
+class NgServerCore(CoreBase):
     """One node connection's HTTP/2 server side over libnghttp2; see the module's docstring
     and ServerCore's theory of operation."""
 
@@ -162,24 +175,17 @@ class NgServerCore:
         weakref.finalize(self, self._lib.feos_ng_del, self._ng)
         self._session = self._ng.session
         self._ptr = self._ffi.new("const uint8_t **")
-        self.max_streams = max_streams
-        self.max_body = max_body
-        self.ping_interval = ping_interval
-        self.ping_timeout = ping_timeout
+        super().__init__(max_streams, max_body, ping_interval, ping_timeout)
         self._streams: dict[int, _Stream] = {}
         self._nvas: dict[tuple[tuple[bytes, bytes], ...], tuple[Any, list[Any]]] = {}
         self._out = bytearray()
         self._events: list[Event] = []
         self._now = 0.0
-        self._ping: tuple[bytes, float] | None = None
-        self._next_ping = 0.0
-        self._drained_at: int | None = None
         self._closing: tuple[int, bytes] | None = None  # our last GOAWAY: code, debug data
         self._final = False  # nothing goes out any more
         self._error = ""  # libnghttp2's last message about the peer's bytes
         self._late: list[int] = []  # streams opened after the drain's GOAWAY, to refuse
         self._exc: BaseException | None = None  # ours, in a callback
-        self.ended: ConnectionEnded | None = None
 
     def _error_name(self, rv: int) -> str:
         return str(self._ffi.string(self._lib.nghttp2_strerror(rv)).decode())
@@ -222,26 +228,12 @@ class NgServerCore:
                 return
             self._out += ffi.buffer(ptr[0], n)
 
-    @property
-    def open_streams(self) -> int:
-        return len(self._streams)
-
-    @property
-    def draining(self) -> bool:
-        return self._drained_at is not None
-
-    def drain(self) -> None:
-        if self.ended is not None or self._drained_at is not None:
-            return
+    def _send_drain(self) -> None:
         self._drained_at = self._lib.nghttp2_session_get_last_proc_stream_id(self._session)
         self._ng.drained_at = self._drained_at
         reason = b"the node stops"
         self._lib.nghttp2_submit_goaway(self._session, 0, self._drained_at,
                                         ErrorCodes.NO_ERROR, reason, len(reason))
-
-    def close(self, code: ErrorCodes = ErrorCodes.NO_ERROR, reason: str = "closed") -> None:
-        if self.ended is None:
-            self._end(code, reason, by_peer=False, goaway=True)
 
     def _end(self, code: ErrorCodes | int, reason: str, *, by_peer: bool,
              goaway: bool) -> ConnectionEnded:
@@ -253,18 +245,14 @@ class NgServerCore:
             self._lib.nghttp2_submit_goaway(self._session, 0, last, int(code), data, len(data))
         else:
             self._final = True
-        self.ended = ConnectionEnded(code, reason, by_peer)
-        self._streams.clear()
-        return self.ended
+        return self._ended(code, reason, by_peer)
 
     def _fatal(self, code: ErrorCodes, reason: str, *, by_peer: bool) -> None:
         """libnghttp2 cannot go on: our own GOAWAY, and nothing after it."""
         if self.ended is None:
             last = self._lib.nghttp2_session_get_last_proc_stream_id(self._session)
             self._out += goaway_frame(last, code, reason.encode()[:256])
-            self.ended = ConnectionEnded(code, reason, by_peer)
-            self._streams.clear()
-            self._events.append(self.ended)
+            self._events.append(self._ended(code, reason, by_peer))
         self._final = True
 
     def _fatal_reason(self, rv: int) -> str:
@@ -272,27 +260,8 @@ class NgServerCore:
             return f"bad input: {self._exc!r}"
         return f"libnghttp2: {self._error_name(rv)}"
 
-    # -- time ----------------------------------------------------------------------------------
-
-    def deadline(self) -> float:
-        if self._ping is not None:
-            return self._ping[1] + self.ping_timeout
-        return self._next_ping
-
-    def tick(self, now: float) -> list[Event]:
-        if self.ended is not None:
-            return []
-        if self._ping is not None:
-            if now - self._ping[1] < self.ping_timeout:
-                return []
-            return [self._end(ErrorCodes.NO_ERROR,
-                              f"the ping was not answered within {self.ping_timeout:g}s",
-                              by_peer=False, goaway=True)]
-        if now >= self._next_ping:
-            payload = os.urandom(8)
-            self._lib.nghttp2_submit_ping(self._session, 0, payload)
-            self._ping = (payload, now)
-        return []
+    def _send_ping(self, payload: bytes) -> None:
+        self._lib.nghttp2_submit_ping(self._session, 0, payload)
 
     # -- what the peer sends -------------------------------------------------------------------
 
@@ -392,12 +361,9 @@ class NgServerCore:
         self._events.append(CallStarted(sid, stream.path.decode(errors="replace"), body))
 
     def _on_ping_ack(self, payload: bytes) -> None:
-        if self._ping is None or payload != self._ping[0]:
-            return
-        rtt = self._now - self._ping[1]
-        self._ping = None
-        self._next_ping = self._now + self.ping_interval
-        self._events.append(PingAnswered(rtt))
+        answered = self._ping_answered(payload, self._now)
+        if answered is not None:
+            self._events.append(answered)
 
     def _gone(self, sid: int, code: ErrorCodes | int, reason: str) -> None:
         stream = self._streams.pop(sid, None)
@@ -423,10 +389,8 @@ class NgServerCore:
             message = data.decode(errors="replace") or self._error
             what = _WHAT.get(code) if isinstance(code, ErrorCodes) else None
             what = what or f"a connection error ({code!s})"
-            self.ended = ConnectionEnded(code, f"protocol error: {what}"
-                                         + (f" ({message})" if message else ""), True)
-            self._streams.clear()
-            self._events.append(self.ended)
+            self._events.append(self._ended(code, f"protocol error: {what}"
+                                            + (f" ({message})" if message else ""), True))
             self._final = True
         return 0
 
@@ -446,23 +410,11 @@ class NgServerCore:
         key = tuple(headers)
         found = self._nvas.get(key)
         if found is None:
-            found = self._build_nva(headers)
+            found = build_nva(self._ffi, headers)
             if len(self._nvas) >= NVA_CACHE:
                 self._nvas.clear()
             self._nvas[key] = found
         return found
-
-    def _build_nva(self, headers: list[tuple[bytes, bytes]]) -> tuple[Any, list[Any]]:
-        ffi = self._ffi
-        nva = ffi.new("nghttp2_nv[]", len(headers))
-        keep: list[Any] = []
-        for i, (name, value) in enumerate(headers):
-            n, v = ffi.from_buffer(name), ffi.from_buffer(value)
-            keep += (n, v)
-            entry = nva[i]
-            entry.name, entry.value = ffi.cast("uint8_t *", n), ffi.cast("uint8_t *", v)
-            entry.namelen, entry.valuelen = len(name), len(value)
-        return nva, keep
 
     def _respond(self, sid: int, stream: _Stream, headers: list[tuple[bytes, bytes]],
                  with_body: bool) -> None:
@@ -479,8 +431,7 @@ class NgServerCore:
         stream = self._streams.get(stream_id)
         if self.ended is not None or stream is None or stream.submitted:
             return
-        headers = [(b":status", str(http_status).encode()), (b"content-type", CONTENT_TYPE),
-                   *trailers(code, message)]
+        headers = answer_headers(code, message, http_status)
         if body is None:
             self._respond(stream_id, stream, headers, False)
             return
@@ -493,21 +444,9 @@ class NgServerCore:
         if self.ended is not None or stream is None or stream.submitted:
             return
         stream.outbound += ITEM_PREFIX.pack(len(first)) + first
-        self._respond(stream_id, stream, [(b":status", b"200"),
-                                          (b"content-type", STREAM_CONTENT_TYPE)], True)
+        self._respond(stream_id, stream, STREAM_HEADERS, True)
 
-    def send_item(self, stream_id: int, item: bytes) -> None:
-        self._queue(stream_id, ITEM_PREFIX.pack(len(item)) + item, None)
-
-    def end_stream(self, stream_id: int, code: Code, message: str) -> None:
-        self._queue(stream_id, b"", trailers(code, message))
-
-    def _queue(self, sid: int, data: bytes, closing: list[tuple[bytes, bytes]] | None) -> None:
-        stream = self._streams.get(sid)
-        if self.ended is not None or stream is None or stream.closing is not None:
-            return
-        stream.outbound += data
-        stream.closing = closing
+    def _send_more(self, sid: int, stream: _Stream) -> None:
         if stream.deferred:
             stream.deferred = False
             self._lib.nghttp2_session_resume_data(self._session, sid)
@@ -536,13 +475,6 @@ class NgServerCore:
                 stream.deferred = True
                 return int(lib.NGHTTP2_ERR_DEFERRED)
         return n
-
-    def has(self, stream_id: int) -> bool:
-        return self.ended is None and stream_id in self._streams
-
-    def buffered(self, stream_id: int) -> int:
-        stream = self._streams.get(stream_id)
-        return len(stream.outbound) if stream is not None else 0
 
     def reset(self, stream_id: int, code: ErrorCodes = ErrorCodes.CANCEL) -> None:
         if self._streams.pop(stream_id, None) is not None and self.ended is None:
