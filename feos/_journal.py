@@ -26,13 +26,17 @@ The pure part (the bytes of headers and entries, and reading them back) does no 
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
+
+log = logging.getLogger(__name__)
 
 NAME = ".journal"
 MAGIC = b"FEOSJRN1"
@@ -164,6 +168,21 @@ class Journal:
             os.close(fd)
             raise
         return cls(path, fd, generation, sync), decode_entries(raw[HEAD:], generation)
+
+    @classmethod
+    def recover_or_set_aside(cls, directory: Path, sync: Sync,
+                             what: str) -> tuple[Journal, list[Entry]] | None:
+        """`recover` after a stale temporary journal (a make a crash cut) is removed; a journal
+        with no valid header is moved aside as `.journal.broken-<time>`, logged as `what`'s,
+        and None answered (the caller makes a new one)."""
+        (directory / f"{NAME}.tmp").unlink(missing_ok=True)
+        try:
+            return cls.recover(directory, sync)
+        except ValueError as exc:
+            aside = directory / f"{NAME}.broken-{int(time.time())}"
+            log.error("%s: %s: moved aside to %s", what, exc, aside.name)
+            os.rename(directory / NAME, aside)
+            return None
 
     @property
     def used(self) -> int:

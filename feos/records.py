@@ -59,7 +59,6 @@ import trio
 
 from . import native
 from ._journal import CAPACITY as JOURNAL_BYTES
-from ._journal import NAME as JOURNAL
 from ._journal import RESET_AFTER, Entry, Journal, entry_size
 from .errors import Code, FeosError
 
@@ -475,14 +474,8 @@ class _Writer:
     def _recover(self) -> Journal | None:
         """The journal left by the last run, its entries written into their files (raises
         FeosError if they cannot be: the journal is kept) and a new generation started."""
-        (self._directory / f"{JOURNAL}.tmp").unlink(missing_ok=True)
-        try:
-            found = Journal.recover(self._directory, self._sync)
-        except ValueError as exc:
-            aside = self._directory / f"{JOURNAL}.broken-{int(time.time())}"
-            log.error("records in %s: %s: moved aside to %s", self._directory, exc, aside.name)
-            os.rename(self._directory / JOURNAL, aside)
-            return None
+        found = Journal.recover_or_set_aside(self._directory, self._sync,
+                                             f"records in {self._directory}")
         if found is None:
             return None
         journal, entries = found

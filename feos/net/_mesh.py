@@ -21,7 +21,6 @@ import ipaddress
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,6 @@ import trio
 from feos.errors import Code, FeosError
 
 from .. import _schema
-from .._journal import NAME as JOURNAL_NAME
 from .._journal import Entry, Journal, entry_size
 from ..records import write_whole
 from . import _mesh_model as model
@@ -148,13 +146,7 @@ class MeshStore:
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.close()
         state = load_state(self.path)
-        try:
-            found = Journal.recover(self.directory, os.fdatasync)
-        except ValueError as e:
-            aside = self.directory / f"{JOURNAL_NAME}.broken-{int(time.time())}"
-            log.warning("the mesh: %s; set aside as %s", e, aside.name)
-            os.rename(self.directory / JOURNAL_NAME, aside)
-            found = None
+        found = Journal.recover_or_set_aside(self.directory, os.fdatasync, "the mesh")
         if found is None:
             dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
