@@ -292,14 +292,18 @@ class MicroVms:
     async def _decide(self) -> None:
         """The probes and the choice (run's first task); the waiters woken."""
         self._probe_started = trio.current_time()
-        choice = await choose_vmm(self._vmm_request, self.state_dir)
-        if choice.driver not in self._drivers:
-            raise FeosError(Code.FAILED_PRECONDITION, f"no driver for {choice.driver}")
+        choice = self._driven(await choose_vmm(self._vmm_request, self.state_dir))
         took = trio.current_time() - self._probe_started
         if took > self._quick_s:
             log.info("the VMM probe took %.1f s; the API was served meanwhile", took)
         self._choice = choice
         self._decided.set()
+
+    def _driven(self, choice: VmmChoice) -> VmmChoice:
+        """The choice, if this service has its driver."""
+        if choice.driver not in self._drivers:
+            raise FeosError(Code.FAILED_PRECONDITION, f"no driver for {choice.driver}")
+        return choice
 
     def _driver(self, vm: _Vm) -> Driver:
         return self._drivers[vm.record.driver]
@@ -318,8 +322,8 @@ class MicroVms:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._records = await trio.to_thread.run_sync(Records, self.state_dir / "vms.db")
-        if self._choice is not None and self._choice.driver not in self._drivers:
-            raise FeosError(Code.FAILED_PRECONDITION, f"no driver for {self._choice.driver}")
+        if self._choice is not None:
+            self._driven(self._choice)
         if self._cgroups is not None:
             from . import _cgroup
 
