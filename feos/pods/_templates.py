@@ -292,24 +292,27 @@ class Templates:
             return None
         holding = attrs.evolve(key, held=held) if held and shape.network else None
         if holding is not None and holding.name in self._have:
-            found = self._have[holding.name]
-            why = await self._damage(found)
-            if not why:
+            found = await self._sound(holding, pod)
+            if found is not None:
                 return found
-            log.warning("template %s is damaged (%s): dropped and made again", found.name, why)
-            await self.remove(found.name)
-            self._nursery.start_soon(self._make_quietly, holding)
-        template = self._have.get(key.name)
-        if template is not None:
-            why = await self._damage(template)
-            if not why:
-                return template
-            log.warning("template %s is damaged (%s): dropped and made again; pod %s boots "
-                        "cold", template.name, why, pod.id)  # fmt: skip
-            await self.remove(template.name)
-            self._nursery.start_soon(self._make_quietly, key)  # made again, whatever the option
-        elif self.on_first_use and key.name not in self._making:
+        if key.name in self._have:
+            return await self._sound(key, pod)
+        if self.on_first_use and key.name not in self._making:
             self._nursery.start_soon(self._make_quietly, key)
+        return None
+
+    async def _sound(self, key: TemplateKey, pod: Pod) -> Template | None:
+        """The node's template of the key, verified; None for a damaged one, which is dropped
+        and made again (whatever the option)."""
+        assert self._nursery is not None
+        template = self._have[key.name]
+        why = await self._damage(template)
+        if not why:
+            return template
+        log.warning("template %s is damaged (%s): dropped and made again; pod %s does not "
+                    "restore it", template.name, why, pod.id)  # fmt: skip
+        await self.remove(template.name)
+        self._nursery.start_soon(self._make_quietly, key)
         return None
 
     async def _damage(self, template: Template) -> str:
