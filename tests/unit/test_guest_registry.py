@@ -91,22 +91,28 @@ class Registry:
 
 
 class AuthProxy:
-    """Passes GETs on to a registry when they carry `Authorization: Bearer TOKEN`, else 401."""
+    """Passes GETs on to a registry when they carry `Authorization: Bearer TOKEN` (and, with
+    anonymous, when they carry none: a public repository's pull), else 401 with a challenge, as a
+    registry refuses a token it does not accept even for a public repository. Each GET's path and
+    Authorization are kept in `seen` and, with log, written as a line `PATH token|-`."""
 
-    def __init__(
-        self, upstream: str, token: str = TOKEN, bind: str = "127.0.0.1", port: int = 0
-    ) -> None:
-        self.seen_auth: list[str] = []
+    def __init__(self, upstream: str, token: str = TOKEN, bind: str = "127.0.0.1", port: int = 0,
+                 anonymous: bool = False, log: str = "") -> None:  # fmt: skip
+        self.seen: list[tuple[str, str]] = []  # (path, Authorization or "")
         proxy = self
+        lock = threading.Lock()
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 auth = self.headers.get("Authorization", "")
-                proxy.seen_auth.append(auth)
-                if auth != f"Bearer {token}":
-                    body = (
-                        b'{"errors":[{"code":"UNAUTHORIZED","message":"authentication required"}]}'
-                    )
+                with lock:
+                    proxy.seen.append((self.path, auth))
+                    if log:
+                        with open(log, "a") as f:
+                            f.write(f"{self.path} {'token' if auth else '-'}\n")
+                if auth != f"Bearer {token}" and (auth or not anonymous):
+                    message = b"invalid token" if auth else b"authentication required"
+                    body = b'{"errors":[{"code":"UNAUTHORIZED","message":"%s"}]}' % message
                     self.send_response(401)
                     self.send_header(
                         "WWW-Authenticate", 'Bearer realm="feos-test",error="invalid_token"'
@@ -115,7 +121,7 @@ class AuthProxy:
                     self.end_headers()
                     self.wfile.write(body)
                     return
-                conn = http.client.HTTPConnection(upstream, timeout=10)
+                conn = http.client.HTTPConnection(upstream, timeout=30)
                 conn.request(
                     "GET", self.path, headers={"Accept": self.headers.get("Accept", "*/*")}
                 )
@@ -141,6 +147,13 @@ class AuthProxy:
     @property
     def host(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def seen_auth(self) -> list[str]:
+        return [auth for _, auth in self.seen]
+
+    def blobs(self) -> list[str]:
+        return [path for path, _ in self.seen if "/blobs/" in path]
 
     def close(self) -> None:
         self.server.shutdown()
@@ -346,7 +359,7 @@ def test_no_or_a_wrong_token_is_refused_naming_the_answer(
     assert e.value.code == Code.UNAUTHENTICATED
     assert "401 Unauthorized" in e.value.message
     assert 'realm="feos-test"' in e.value.message
-    assert "authentication required" in e.value.message
+    assert ("invalid token" if token else "authentication required") in e.value.message
     assert token is None or token not in e.value.message
 
 
