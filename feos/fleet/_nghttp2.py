@@ -36,6 +36,7 @@ HEADERS begin and the core resets it once libnghttp2 has taken its id (`_late`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import struct
@@ -124,6 +125,12 @@ def build_nva(ffi: Any, headers: list[tuple[bytes, bytes]]) -> tuple[Any, list[A
         entry.name, entry.value = ffi.cast("uint8_t *", n), ffi.cast("uint8_t *", v)
         entry.namelen, entry.valuelen = len(name), len(value)
     return nva, keep
+
+
+@functools.lru_cache(maxsize=NVA_CACHE)
+def _answer_headers(code: Code, message: str, http_status: int) -> list[tuple[bytes, bytes]]:
+    """answer_headers, made once per kind of answer (its percent-encoding is a call's cost)."""
+    return answer_headers(code, message, http_status)
 
 
 def _code(value: int) -> ErrorCodes | int:
@@ -431,7 +438,7 @@ class NgServerCore(CoreBase):
         stream = self._streams.get(stream_id)
         if self.ended is not None or stream is None or stream.submitted:
             return
-        headers = answer_headers(code, message, http_status)
+        headers = _answer_headers(code, message, http_status)
         if body is None:
             self._respond(stream_id, stream, headers, False)
             return
