@@ -84,7 +84,9 @@ class TLSSocket:
         parts: list[bytes] = []
         size = 0
         try:
-            while size < CHUNK:
+            # read again only while bytes are in hand: a read without them raises WantRead
+            while size < CHUNK and (not parts or self._incoming.pending
+                                    or self.ssl_object.pending()):
                 part = self.ssl_object.read(CHUNK)
                 if not part:  # the peer's close_notify
                     return b"".join(parts) if parts else None
