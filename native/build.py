@@ -582,7 +582,8 @@ ffibuilder.set_source(
 # A module of its own beside feos._native, so that a machine without libnghttp2's headers still
 # builds feosd's kernel calls (the node connections then run over h2: feos/fleet/_nghttp2.py).
 # The C glue keeps the per-byte work in C: each header is counted against the header list's cap
-# here and only :method and :path reach Python; only the frames the core acts on reach Python
+# here and only :method (is it POST) and :path reach Python, with the request's HEADERS frame
+# (one call per request); only the frames the core acts on reach Python
 # (a request's HEADERS, an END_STREAM, RST_STREAM, a PING's ACK, GOAWAY); an answer that ended
 # while the peer's side is open is followed by RST_STREAM NO_ERROR here (RFC 9113 8.1). Memory:
 # the session's user data is the feos_ng block Python allocated (ffi.new) and keeps alive as long
@@ -656,7 +657,8 @@ int32_t nghttp2_session_get_last_proc_stream_id(nghttp2_session *);
 int nghttp2_session_terminate_session(nghttp2_session *, uint32_t);
 const char *nghttp2_strerror(int);
 
-extern "Python" int feos_ng_on_header(void *, int32_t, int, const uint8_t *, size_t);
+extern "Python" int feos_ng_on_request(void *, const nghttp2_frame *, int, const uint8_t *,
+                                       size_t);
 extern "Python" int feos_ng_on_field(void *, int32_t, const uint8_t *, size_t, const uint8_t *,
                                      size_t);
 extern "Python" int feos_ng_on_frame(void *, const nghttp2_frame *);
@@ -671,6 +673,8 @@ extern "Python" ssize_t feos_ng_read(void *, int32_t, uint8_t *, size_t, uint32_
 NGHTTP2_SOURCE = r"""
 #include <nghttp2/nghttp2.h>
 
+#define FEOS_NG_PATH_MAX 16384  /* a longer :path is over the header list's cap (16 KiB) too */
+
 struct feos_ng {
     nghttp2_session *session;
     void *py;
@@ -679,9 +683,12 @@ struct feos_ng {
     int over;
     int client;
     int32_t drained_at;
+    int post;                   /* the request being decoded: its :method is POST */
+    size_t path_len;            /* and its :path */
+    uint8_t path[FEOS_NG_PATH_MAX];
 };
 
-static int feos_ng_on_header(void *, int32_t, int, const uint8_t *, size_t);
+static int feos_ng_on_request(void *, const nghttp2_frame *, int, const uint8_t *, size_t);
 static int feos_ng_on_field(void *, int32_t, const uint8_t *, size_t, const uint8_t *, size_t);
 static int feos_ng_on_frame(void *, const nghttp2_frame *);
 static int feos_ng_on_data(void *, int32_t, const uint8_t *, size_t);
@@ -693,7 +700,10 @@ static ssize_t feos_ng_read(void *, int32_t, uint8_t *, size_t, uint32_t *);
 
 static int ng_begin_headers(nghttp2_session *s, const nghttp2_frame *frame, void *ud)
 {
-    ((struct feos_ng *)ud)->header_bytes = 0;
+    struct feos_ng *ng = ud;
+    ng->header_bytes = 0;
+    ng->post = 0;
+    ng->path_len = 0;
     return 0;
 }
 
@@ -715,7 +725,7 @@ static int ng_header(nghttp2_session *s, const nghttp2_frame *frame, const uint8
 {
     struct feos_ng *ng = ud;
     ng->header_bytes += namelen + valuelen + 32;
-    if (ng->header_bytes > ng->max_header_list) {
+    if (ng->header_bytes > ng->max_header_list || valuelen > FEOS_NG_PATH_MAX) {
         ng->over = 1;
         return NGHTTP2_ERR_CALLBACK_FAILURE;  /* the connection's end: ENHANCE_YOUR_CALM */
     }
@@ -723,10 +733,13 @@ static int ng_header(nghttp2_session *s, const nghttp2_frame *frame, const uint8
         return feos_ng_on_field(ng->py, frame->hd.stream_id, name, namelen, value, valuelen);
     if (frame->hd.type != NGHTTP2_HEADERS || frame->headers.cat != NGHTTP2_HCAT_REQUEST)
         return 0;  /* the peer's trailers: nothing the core reads */
+    /* kept for the request's one call into Python (ng_frame_recv) */
     if (namelen == 7 && memcmp(name, ":method", 7) == 0)
-        return feos_ng_on_header(ng->py, frame->hd.stream_id, 0, value, valuelen);
-    if (namelen == 5 && memcmp(name, ":path", 5) == 0)
-        return feos_ng_on_header(ng->py, frame->hd.stream_id, 1, value, valuelen);
+        ng->post = valuelen == 4 && memcmp(value, "POST", 4) == 0;
+    else if (namelen == 5 && memcmp(name, ":path", 5) == 0) {
+        memcpy(ng->path, value, valuelen);
+        ng->path_len = valuelen;
+    }
     return 0;
 }
 
@@ -736,6 +749,8 @@ static int ng_frame_recv(nghttp2_session *s, const nghttp2_frame *frame, void *u
     switch (frame->hd.type) {
     case NGHTTP2_HEADERS:
         ng->header_bytes = 0;
+        if (!ng->client && frame->headers.cat == NGHTTP2_HCAT_REQUEST)
+            return feos_ng_on_request(ng->py, frame, ng->post, ng->path, ng->path_len);
         return feos_ng_on_frame(ng->py, frame);
     case NGHTTP2_DATA:
         if (frame->hd.flags & NGHTTP2_FLAG_END_STREAM)

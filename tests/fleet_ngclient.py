@@ -150,9 +150,6 @@ class NgClientConnection:
                                                  buffer(value, valuelen)[:]))
         return 0
 
-    def _on_header(self, sid: int, which: int, value: Any, length: int) -> int:
-        return 0  # a request's: a client receives none
-
     def _on_frame(self, frame: Any) -> int:
         lib = self._lib
         kind, sid, flags = frame.hd.type, frame.hd.stream_id, frame.hd.flags

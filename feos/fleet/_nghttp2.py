@@ -9,11 +9,12 @@ default); where feos._nghttp2 is not built (no libnghttp2-dev at the build) it i
 
 Theory of operation: libnghttp2 keeps the connection's state (frames, HPACK, flow control,
 stream states, the SETTINGS and PING acknowledgements); native/build.py's C glue hands Python
-only what the core acts on: a request's :method and :path, its DATA, its end, the peer's
-RST_STREAM, our PING's ACK, the peer's GOAWAY, a stream's close, a GOAWAY that went out. The
-events, the answers and `data_to_send` are as in ServerCore's theory of operation; an answer's
-body waits in the core (`buffered`) and libnghttp2 pulls it as the windows allow (`_on_read`);
-an answer that ended before the request did is followed by RST_STREAM NO_ERROR (the C glue).
+only what the core acts on: a request's HEADERS (in one call with its :path and whether its
+:method is POST), its DATA, its end, the peer's RST_STREAM, our PING's ACK, the peer's GOAWAY,
+a stream's close, a GOAWAY that went out. The events, the answers and `data_to_send` are as in
+ServerCore's theory of operation; an answer's body waits in the core (`buffered`) and
+libnghttp2 pulls it as the windows allow (`_on_read`); an answer that ended before the request
+did is followed by RST_STREAM NO_ERROR (the C glue).
 
 Errors: a connection error libnghttp2 finds in the peer's bytes (a frame that does not parse
 or is over MAX_FRAME_SIZE, a header block that does not decode, DATA on a closed stream, a bad
@@ -36,6 +37,7 @@ HEADERS begin and the core resets it once libnghttp2 has taken its id (`_late`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import struct
@@ -126,6 +128,12 @@ def build_nva(ffi: Any, headers: list[tuple[bytes, bytes]]) -> tuple[Any, list[A
     return nva, keep
 
 
+@functools.lru_cache(maxsize=NVA_CACHE)
+def _answer_headers(code: Code, message: str, http_status: int) -> list[tuple[bytes, bytes]]:
+    """answer_headers, made once per kind of answer (its percent-encoding is a call's cost)."""
+    return answer_headers(code, message, http_status)
+
+
 def _code(value: int) -> ErrorCodes | int:
     try:
         return ErrorCodes(value)
@@ -138,16 +146,14 @@ class _Stream:
         "body",
         "closing",
         "deferred",
-        "method",
         "outbound",
         "path",
         "started",
         "submitted",
     )
 
-    def __init__(self) -> None:
-        self.method = b""
-        self.path = b""
+    def __init__(self, path: bytes) -> None:
+        self.path = path
         self.body = bytearray()
         self.started = False  # CallStarted given: the loop owns it until it answers
         self.submitted = False  # its answer's HEADERS handed to libnghttp2
@@ -299,16 +305,17 @@ class NgServerCore(CoreBase):
             return [self.ended]  # the peer's protocol error: its batch's calls are not taken
         return events
 
-    def _on_header(self, sid: int, which: int, value: Any, length: int) -> int:
+    def _on_request(self, frame: Any, post: int, path: Any, length: int) -> int:
+        """A request's HEADERS, with whether its :method is POST and its :path."""
         if self.ended is not None:
             return 0
-        stream = self._streams.get(sid)
-        if stream is None:
-            stream = self._streams[sid] = _Stream()
-        if which == 0:
-            stream.method = self._ffi.buffer(value, length)[:]
-        else:
-            stream.path = self._ffi.buffer(value, length)[:]
+        hd = frame.hd
+        sid = hd.stream_id
+        self._streams[sid] = _Stream(self._ffi.buffer(path, length)[:])
+        if not post:
+            self.answer(sid, Code.INVALID_ARGUMENT, "a call is a POST", http_status=405)
+        if hd.flags & self._lib.NGHTTP2_FLAG_END_STREAM:
+            self._on_end(sid)
         return 0
 
     def _on_frame(self, frame: Any) -> int:
@@ -317,13 +324,7 @@ class NgServerCore(CoreBase):
         lib = self._lib
         hd = frame.hd
         kind, sid = hd.type, hd.stream_id
-        if kind == lib.NGHTTP2_HEADERS:
-            if frame.headers.cat == lib.NGHTTP2_HCAT_REQUEST:
-                stream = self._streams.get(sid)
-                if stream is None:
-                    stream = self._streams[sid] = _Stream()
-                if stream.method != b"POST":
-                    self.answer(sid, Code.INVALID_ARGUMENT, "a call is a POST", http_status=405)
+        if kind == lib.NGHTTP2_HEADERS:  # the peer's trailers
             if hd.flags & lib.NGHTTP2_FLAG_END_STREAM:
                 self._on_end(sid)
         elif kind == lib.NGHTTP2_DATA:
@@ -431,7 +432,7 @@ class NgServerCore(CoreBase):
         stream = self._streams.get(stream_id)
         if self.ended is not None or stream is None or stream.submitted:
             return
-        headers = answer_headers(code, message, http_status)
+        headers = _answer_headers(code, message, http_status)
         if body is None:
             self._respond(stream_id, stream, headers, False)
             return
@@ -497,10 +498,10 @@ if _nghttp2 is not None:
         return int(_FAIL)
 
     @_extern()
-    def feos_ng_on_header(py: Any, sid: int, which: int, value: Any, length: int) -> int:
+    def feos_ng_on_request(py: Any, frame: Any, post: int, path: Any, length: int) -> int:
         core: NgServerCore = _ffi.from_handle(py)
         try:
-            return core._on_header(sid, which, value, length)
+            return core._on_request(frame, post, path, length)
         except Exception as exc:
             return _failed(core, exc)
 

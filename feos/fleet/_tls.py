@@ -4,8 +4,9 @@ Theory of operation: `TLSSocket` owns a non-blocking socket and an ssl.SSLObject
 MemoryBIOs. `write(data)` encrypts at once (one record per 16 KiB) and sends what the socket
 takes there and then; what it does not take waits in `pending` for `flush()`, which waits for
 the socket to be writable. `receive()` gives what the peer sent, decrypted: it reads the socket
-without a trip through trio's scheduler while bytes are there, and parks on `wait_readable` only
-when there are none.
+without a trip through trio's scheduler while bytes are there, and parks on `wait_readable` when
+there are none, or when the last read emptied the socket (a node connection's single call: its
+read after the answer would fail, for a syscall and an exception).
 
 trio.SSLStream costs a node connection a task hop per answer (its writer task), and per call
 several checkpoints and its conflict detectors: a call's own CPU in Python is small beside them.
@@ -40,6 +41,7 @@ class TLSSocket:
                                        server_hostname=server_hostname)
         self.pending = bytearray()  # encrypted bytes the socket has not taken yet
         self._unyielded = 0
+        self._drained = False  # the last recv took less than it asked: the socket had no more
         self.closed = False
 
     @classmethod
@@ -84,7 +86,9 @@ class TLSSocket:
         parts: list[bytes] = []
         size = 0
         try:
-            while size < CHUNK:
+            # read again only while bytes are in hand: a read without them raises WantRead
+            while size < CHUNK and (not parts or self._incoming.pending
+                                    or self.ssl_object.pending()):
                 part = self.ssl_object.read(CHUNK)
                 if not part:  # the peer's close_notify
                     return b"".join(parts) if parts else None
@@ -104,6 +108,9 @@ class TLSSocket:
 
     async def _fill(self) -> None:
         """The socket's next bytes into the SSLObject."""
+        if self._drained:  # a recv now would most likely fail: wait for the socket first
+            self._unyielded = 0
+            await trio.lowlevel.wait_readable(self.sock)
         while True:
             try:
                 raw = self.sock.recv(RECEIVE_SIZE)
@@ -116,6 +123,7 @@ class TLSSocket:
             break
         if not raw:
             raise trio.BrokenResourceError("the peer closed the socket without close_notify")
+        self._drained = len(raw) < RECEIVE_SIZE
         self._incoming.write(raw)
         self._unyielded += 1
         if self._unyielded >= YIELD_EVERY:
